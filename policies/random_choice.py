@@ -1,0 +1,19 @@
+"""random: a uniformly random healthy replica, drawn from the injected rng (seeded in tests)."""
+
+from __future__ import annotations
+
+import random
+
+from .base import Decision, RequestSummary, Snapshot
+
+
+class RandomChoice:
+    name = "random"
+
+    def decide(
+        self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
+    ) -> Decision | None:
+        candidates = snapshot.candidates(request)
+        if not candidates:
+            return None
+        return Decision(rng.choice(candidates).id, "random")

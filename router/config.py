@@ -1,0 +1,135 @@
+"""Router configuration: pydantic models are the single source of truth for the YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from yarl import URL
+
+from ..policies.registry import policy_names
+
+
+class ConfigError(Exception):
+    """A configuration problem, already phrased as one line that names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def normalize_replica_url(value: str) -> str:
+    """Accept http(s)://host[:port][/prefix]; return it without a trailing slash."""
+    if not isinstance(value, str):
+        raise ValueError("must be a URL string")
+    url = URL(value.strip())
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"invalid replica URL {value!r} (want http://host:port)")
+    if url.query_string or url.fragment:
+        raise ValueError(f"replica URL {value!r} must not have a query or fragment")
+    return str(url).rstrip("/")
+
+
+ReplicaUrl = Annotated[str, BeforeValidator(normalize_replica_url)]
+
+
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the data port binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="Data port (0 picks a free port).")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="Request bodies above this get 413."
+    )
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout per attempt.")
+    total_timeout_s: float = Field(
+        1800.0, gt=0, description="Whole upstream exchange, streaming included."
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=10, description="Replicas tried before any byte reaches the client."
+    )
+    retry_statuses: tuple[int, ...] = Field(
+        (502, 503), description="Upstream statuses retried on another replica (before first byte)."
+    )
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(1.0, gt=0, description="How often each replica's /health is probed.")
+    timeout_s: float = Field(1.0, gt=0, description="Probe timeout.")
+    failure_threshold: int = Field(
+        3, ge=1, description="Consecutive failures (probes or connects) that mark a replica unhealthy."
+    )
+
+
+class PolicyConfig(_Strict):
+    name: str = Field("round_robin", description="Routing policy name or preset.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Policy parameters.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in policy_names():
+            raise ValueError(f"unknown policy {value!r} (known: {', '.join(policy_names())})")
+        return value
+
+
+class RouterConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    replicas: tuple[ReplicaUrl, ...] = Field((), description="Static replica base URLs.")
+    policy: PolicyConfig = PolicyConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    health: HealthConfig = HealthConfig()
+
+
+def _one_line(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{key}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_config(data: Any, source: str = "config") -> RouterConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_one_line(err)}") from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}:{where} invalid YAML ({getattr(err, 'problem', err)})") from None
+    return parse_config(data, str(p))
+
+
+def with_overrides(config: RouterConfig, **flags: Any) -> RouterConfig:
+    """Apply command-line flags on top of a file (flags win). `None` means not given."""
+    data = config.model_dump()
+    if flags.get("host") is not None:
+        data["server"]["host"] = flags["host"]
+    if flags.get("port") is not None:
+        data["server"]["port"] = flags["port"]
+    if flags.get("replicas"):
+        data["replicas"] = list(flags["replicas"])
+    if flags.get("policy") is not None:
+        data["policy"] = {"name": flags["policy"], "params": {}}
+    return parse_config(data, "command line")

@@ -1,0 +1,215 @@
+"""Move bytes: send one request to the replica a policy picked, relay its response as it arrives.
+
+Retries happen only before the first byte reaches the client. After that, an upstream failure
+ends an SSE stream with one clean error event at an event boundary (never half a JSON line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from ..metrics.router_metrics import RouterMetrics
+from ..policies.base import Policy, RequestSummary
+from .config import UpstreamConfig
+from .errors import error_response, sse_error_event
+from .headers import REQUEST_ID, end_to_end
+from .replicas import ReplicaRegistry
+
+# Non-streaming bodies up to this size are read whole and sent with the headers in one write.
+_BUFFER_LIMIT = 8 * 1024 * 1024
+_RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
+_BROKEN_BODY = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+class UpstreamBroken(Exception):
+    """The replica failed after the response started; `kind` says how."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Upstream body chunks as they arrive; upstream failures become `UpstreamBroken`, so they
+    are never confused with the client going away while we write."""
+    try:
+        async for chunk in upstream.content.iter_any():
+            yield chunk
+    except _BROKEN_BODY as err:
+        raise UpstreamBroken("timeout" if isinstance(err, asyncio.TimeoutError) else "midstream") from err
+
+
+def _last_event_end(data: bytes) -> int:
+    """Index just past the last complete SSE event in `data`, or 0 if there is none."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class Relay:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        policy: Policy,
+        metrics: RouterMetrics,
+        config: UpstreamConfig,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.config = config
+        self.rng = rng
+        self.clock = clock
+        self.session: aiohttp.ClientSession | None = None
+        self.timeout = aiohttp.ClientTimeout(
+            total=config.total_timeout_s, sock_connect=config.connect_timeout_s
+        )
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, ttl_dns_cache=10)
+        # Bytes pass through untouched: no decompression, no headers the client did not send.
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            timeout=self.timeout,
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        summary: RequestSummary,
+        request_id: str,
+    ) -> web.StreamResponse:
+        assert self.session is not None, "Relay.start() not called"
+        headers = end_to_end(request.headers)
+        headers[REQUEST_ID] = request_id
+        tried: set[str] = set()
+        last_problem = "no healthy replica"
+        for attempt in range(self.config.max_attempts):
+            if tried:
+                summary = dataclasses.replace(summary, exclude=frozenset(tried))
+            decision = self.policy.decide(self.registry.snapshot(), summary, self.rng)
+            if decision is None:
+                break
+            url = decision.replica
+            tried.add(url)
+            self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+            self.registry.dispatched(url, summary.prompt_tokens)
+            self.metrics.in_flight.labels(url).inc()
+            try:
+                sent = self.clock()
+                try:
+                    upstream = await self.session.request(
+                        request.method, url + request.rel_url.path_qs, data=body, headers=headers
+                    )
+                except _RETRYABLE as err:
+                    self.registry.record_failure(url)
+                    kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "connect"
+                    self.metrics.upstream_errors.labels(url, kind).inc()
+                    self.metrics.retries.labels(kind).inc()
+                    last_problem = f"replica {url} unreachable ({kind})"
+                    continue
+                self.registry.record_success(url)
+                last_try = attempt + 1 >= self.config.max_attempts
+                if upstream.status in self.config.retry_statuses and not last_try:
+                    self.metrics.upstream_errors.labels(url, f"http_{upstream.status}").inc()
+                    self.metrics.retries.labels(f"http_{upstream.status}").inc()
+                    last_problem = f"replica {url} answered {upstream.status}"
+                    upstream.close()
+                    continue
+                return await self._relay(request, upstream, url, request_id, sent)
+            finally:
+                self.registry.completed(url, summary.prompt_tokens)
+                self.metrics.in_flight.labels(url).dec()
+        return error_response(
+            503,
+            f"no replica could take the request: {last_problem}",
+            "service_unavailable",
+            headers={"Retry-After": "1", REQUEST_ID: request_id},
+        )
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        url: str,
+        request_id: str,
+        sent: float,
+    ) -> web.StreamResponse:
+        headers = end_to_end(upstream.headers)
+        headers[REQUEST_ID] = request_id
+        sse = upstream.content_type == "text/event-stream"
+        try:
+            length = upstream.content_length
+            if not sse and length is not None and length <= _BUFFER_LIMIT:
+                try:
+                    payload = await upstream.read()
+                except _BROKEN_BODY:
+                    self.metrics.upstream_errors.labels(url, "body").inc()
+                    return error_response(
+                        502, f"replica {url} failed while sending its response", "upstream_error",
+                        headers={REQUEST_ID: request_id},
+                    )
+                self.metrics.upstream_ttfb.labels(url).observe(self.clock() - sent)
+                return web.Response(status=upstream.status, body=payload, headers=headers)
+            return await self._stream(request, upstream, url, headers, sse, sent)
+        finally:
+            upstream.close()  # no-op after a full read; otherwise aborts the replica's work
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        url: str,
+        headers: CIMultiDict[str],
+        sse: bool,
+        sent: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        pending = b""
+        first = True
+        try:
+            async for chunk in _chunks(upstream):
+                if first:
+                    self.metrics.upstream_ttfb.labels(url).observe(self.clock() - sent)
+                    first = False
+                if sse:
+                    # Forward whole events only, so a failure later can never leave half a line.
+                    data = pending + chunk if pending else chunk
+                    cut = _last_event_end(data)
+                    pending = data[cut:]
+                    if cut:
+                        await response.write(data[:cut] if pending else data)
+                else:
+                    await response.write(chunk)
+        except UpstreamBroken as err:
+            self.metrics.upstream_errors.labels(url, err.kind).inc()
+            if sse:
+                await response.write(sse_error_event(f"replica {url} failed mid-stream ({err.kind})"))
+                await response.write_eof()
+            elif request.transport is not None:
+                # A plain body cannot carry an error, and a clean end would pass a truncated
+                # body off as complete: abort the connection so the client sees the failure.
+                request.transport.abort()
+            return response
+        if pending:
+            await response.write(pending)
+        await response.write_eof()
+        return response

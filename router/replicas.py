@@ -1,0 +1,109 @@
+"""Live replica state owned by the control loop, and the immutable snapshots policies read.
+
+Every change replaces that replica's frozen `ReplicaView`; a snapshot is the tuple of current
+views, rebuilt only after a change, so taking one per request is cheap even at 1000 replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from ..policies.base import ReplicaView, Snapshot
+
+
+class ReplicaRegistry:
+    def __init__(self, urls: Iterable[str] = (), failure_threshold: int = 3) -> None:
+        self.failure_threshold = failure_threshold
+        self._views: dict[str, ReplicaView] = {}
+        self._failures: dict[str, int] = {}
+        self._snapshot: Snapshot | None = None
+        for url in urls:
+            self.add(url, fresh=False)
+
+    # -- membership -------------------------------------------------------------------------
+    def add(self, url: str, *, fresh: bool = True) -> bool:
+        if url in self._views:
+            return False
+        self._views[url] = ReplicaView(id=url, fresh=fresh)
+        self._failures[url] = 0
+        self._snapshot = None
+        return True
+
+    def remove(self, url: str) -> bool:
+        if self._views.pop(url, None) is None:
+            return False
+        self._failures.pop(url, None)
+        self._snapshot = None
+        return True
+
+    def urls(self) -> list[str]:
+        return list(self._views)
+
+    def view(self, url: str) -> ReplicaView | None:
+        return self._views.get(url)
+
+    def __contains__(self, url: object) -> bool:
+        return url in self._views
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    # -- snapshots --------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        if self._snapshot is None:
+            self._snapshot = Snapshot(tuple(self._views.values()))
+        return self._snapshot
+
+    def any_healthy(self) -> bool:
+        return any(v.healthy for v in self._views.values())
+
+    def _update(self, url: str, **changes: Any) -> ReplicaView | None:
+        view = self._views.get(url)
+        if view is None:
+            return None
+        view = dataclasses.replace(view, **changes)
+        self._views[url] = view
+        self._snapshot = None
+        return view
+
+    # -- in-flight accounting (dispatch and completion) -------------------------------------
+    def dispatched(self, url: str, prompt_tokens: int) -> None:
+        view = self._views.get(url)
+        if view is not None:
+            self._update(
+                url,
+                in_flight=view.in_flight + 1,
+                in_flight_prompt_tokens=view.in_flight_prompt_tokens + prompt_tokens,
+            )
+
+    def completed(self, url: str, prompt_tokens: int) -> None:
+        view = self._views.get(url)
+        if view is not None:
+            self._update(
+                url,
+                in_flight=max(0, view.in_flight - 1),
+                in_flight_prompt_tokens=max(0, view.in_flight_prompt_tokens - prompt_tokens),
+            )
+
+    # -- health -----------------------------------------------------------------------------
+    def record_success(self, url: str) -> bool:
+        """A probe or request reached the replica. Returns True if it just became healthy."""
+        if url not in self._views:
+            return False
+        self._failures[url] = 0
+        if not self._views[url].healthy:
+            self._update(url, healthy=True)
+            return True
+        return False
+
+    def record_failure(self, url: str) -> bool:
+        """A probe or connect failed. Returns True if this failure made it unhealthy."""
+        if url not in self._views:
+            return False
+        self._failures[url] += 1
+        if self._views[url].healthy and self._failures[url] >= self.failure_threshold:
+            self._update(url, healthy=False)
+            return True
+        return False
