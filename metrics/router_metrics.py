@@ -75,11 +75,69 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.poll_errors = Counter(
+            "kvrouter_replica_poll_errors_total",
+            "Failed scrapes of a replica's signals.",
+            ["replica"],
+            registry=r,
+        )
+        self.signal_age = Gauge(
+            "kvrouter_replica_signal_age_seconds",
+            "Age of the newest polled signals of a replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.polled_running = Gauge(
+            "kvrouter_replica_running_requests", "Polled SGLang num_running_reqs.", ["replica"], registry=r
+        )
+        self.polled_queued = Gauge(
+            "kvrouter_replica_queued_requests", "Polled SGLang num_queue_reqs.", ["replica"], registry=r
+        )
+        self.polled_token_usage = Gauge(
+            "kvrouter_replica_token_usage_ratio", "Polled SGLang token_usage.", ["replica"], registry=r
+        )
+        self.est_cached_tokens = Counter(
+            "kvrouter_estimated_cached_tokens_total",
+            "Prompt tokens the router expects the chosen replica to have cached (its own CHR estimate).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvrouter_prompt_tokens_total", "Estimated prompt tokens routed.", registry=r
+        )
+        self.affinity_errors = Counter(
+            "kvrouter_affinity_store_errors_total",
+            "Affinity store operations that failed (Redis down or slow).",
+            ["op"],
+            registry=r,
+        )
+        self.affinity_degraded = Gauge(
+            "kvrouter_affinity_store_degraded",
+            "1 while the shared affinity store is unreachable and routing runs on local state.",
+            registry=r,
+        )
+        self.sessions = Gauge("kvrouter_sessions", "Sessions in the local session table.", registry=r)
+        self.load_max_over_mean = Gauge(
+            "kvrouter_load_max_over_mean_ratio",
+            "Max over mean of in-flight requests across healthy replicas.",
+            registry=r,
+        )
+        self.load_cv = Gauge(
+            "kvrouter_load_coefficient_of_variation",
+            "Coefficient of variation of in-flight requests across healthy replicas.",
+            registry=r,
+        )
+        self.rebalanced = Counter(
+            "kvrouter_sessions_rebalanced_total",
+            "Idle sessions moved from hot replicas to fresh ones.",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def forget_replica(self, replica: str) -> None:
-        for metric in (self.in_flight, self.replica_healthy):
+        for metric in (self.in_flight, self.replica_healthy, self.poll_errors, self.signal_age,
+                       self.polled_running, self.polled_queued, self.polled_token_usage):
             try:
                 metric.remove(replica)
             except KeyError:

@@ -14,14 +14,19 @@ import orjson
 from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
+from ..metrics.sglang import ReplicaSignals
 from ..policies.base import Policy
 from ..policies.registry import build_policy
+from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig
+from .engine import RoutingEngine
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
-from .health import HealthProber
+from .kv_index import ShadowKVIndex
+from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
+from .sessions import SessionTable
 from .summary import summarize
 
 log = logging.getLogger("kvrouter")
@@ -44,15 +49,82 @@ class Router:
         self.config = config
         self.clock = clock
         self.metrics = RouterMetrics()
-        self.registry = ReplicaRegistry(config.replicas, config.health.failure_threshold)
+        self.registry = ReplicaRegistry(config.replicas, config.signals.failure_threshold)
         self.policy = policy or build_policy(config.policy.name, config.policy.params)
-        self.relay = Relay(
-            self.registry, self.policy, self.metrics, config.upstream, rng or random.Random(), clock
+        self.index = ShadowKVIndex(
+            block_tokens=max(1, config.routing.block_chars // 4),
         )
-        self.prober = HealthProber(self.registry, self.metrics, config.health)
+        self.table = SessionTable(config.routing.session_ttl_s)
+        self.engine = RoutingEngine(
+            self.policy, self.registry, self.index, self.table, rng or random.Random()
+        )
+        self.table._on_change = self.engine.sync_homed
+        self.affinity = self._make_affinity_store()
+        self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock)
+        self.poller = SignalPoller(
+            self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
+        )
         for url in self.registry.urls():
             self.metrics.replica_healthy.labels(url).set(1)
             self.metrics.in_flight.labels(url).set(0)
+
+    def _make_affinity_store(self) -> AffinityStore:
+        a = self.config.affinity
+        if a.store == "memory":
+            return MemoryAffinityStore(self.table, self.clock)
+        return RedisAffinityStore(
+            self.table, a.redis_url, key_prefix=a.key_prefix, ttl_s=a.ttl_s, lease_s=a.lease_s,
+            op_timeout_s=a.op_timeout_s, retry_after_s=a.retry_after_s, clock=self.clock,
+            on_error=lambda op: self.metrics.affinity_errors.labels(op).inc(),
+        )
+
+    def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
+        if signals.max_total_num_tokens:
+            self.index.set_capacity(url, signals.max_total_num_tokens)
+        if signals.num_running_reqs is not None:
+            self.metrics.polled_running.labels(url).set(signals.num_running_reqs)
+        if signals.num_queue_reqs is not None:
+            self.metrics.polled_queued.labels(url).set(signals.num_queue_reqs)
+        if signals.token_usage is not None:
+            self.metrics.polled_token_usage.labels(url).set(signals.token_usage)
+
+    # -- replicas at run time (admin API, discovery) ---------------------------------------------
+    def add_replica(self, url: str) -> bool:
+        added = self.engine.add_replica(url, self.clock())
+        if added:
+            self.metrics.replica_healthy.labels(url).set(1)
+            self.metrics.in_flight.labels(url).set(0)
+        return added
+
+    def remove_replica(self, url: str) -> bool:
+        if url not in self.registry:
+            return False
+        self.engine.remove_replica(url)
+        self.metrics.forget_replica(url)
+        return True
+
+    async def housekeeping(self) -> None:
+        """Once a second: forget idle sessions, settle fresh replicas, export load balance;
+        every rebalance interval, move a few idle sessions onto fresh replicas."""
+        routing = self.config.routing
+        last_rebalance = self.clock()
+        while True:
+            await asyncio.sleep(1.0)
+            now = self.clock()
+            self.table.expire(now)
+            self.engine.settle_fresh()
+            _, max_over_mean, cv = self.engine.load_stats()
+            self.metrics.load_max_over_mean.set(max_over_mean)
+            self.metrics.load_cv.set(cv)
+            self.metrics.sessions.set(len(self.table))
+            self.metrics.affinity_degraded.set(1 if self.affinity.degraded else 0)
+            if now - last_rebalance >= routing.rebalance_interval_s:
+                last_rebalance = now
+                for move in self.engine.plan_rebalance(
+                    now, routing.rebalance_interval_s, routing.rebalance_max_moves
+                ):
+                    await self.affinity.move(move.session, move.target)
+                    self.metrics.rebalanced.inc()
 
     # -- application --------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -71,12 +143,19 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         await self.relay.start()
+        await self.affinity.start()
         assert self.relay.session is not None
-        prober = asyncio.create_task(self.prober.run(self.relay.session), name="health-prober")
+        tasks = [
+            asyncio.create_task(self.poller.run(self.relay.session), name="signal-poller"),
+            asyncio.create_task(self.housekeeping(), name="housekeeping"),
+        ]
         yield
-        prober.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await prober
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.affinity.close()
         await self.relay.close()
 
     @web.middleware
@@ -125,7 +204,8 @@ class Router:
             return error_response(
                 400, "request body must be a JSON object", "invalid_request_error", rid_header
             )
-        return await self.relay.forward(request, body, summarize(route, parsed), request_id)
+        summary = summarize(route, parsed, request.headers, self.config.routing)
+        return await self.relay.forward(request, body, summary, request_id)
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         """The union of every healthy replica's /v1/models, queried concurrently."""

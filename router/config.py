@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from yarl import URL
 
-from ..policies.registry import policy_names
+from ..policies.registry import build_policy, policy_names
 
 
 class ConfigError(Exception):
@@ -56,16 +64,44 @@ class UpstreamConfig(_Strict):
     )
 
 
-class HealthConfig(_Strict):
-    interval_s: float = Field(1.0, gt=0, description="How often each replica's /health is probed.")
-    timeout_s: float = Field(1.0, gt=0, description="Probe timeout.")
+class SignalsConfig(_Strict):
+    source: Literal["metrics", "loads", "health"] = Field(
+        "metrics", description="What each replica is polled for: SGLang /metrics, /v1/loads, or only /health."
+    )
+    interval_s: float = Field(0.25, gt=0, description="Poll interval per replica (all replicas concurrently).")
+    timeout_s: float = Field(1.0, gt=0, description="Timeout of one scrape.")
+    stale_after_s: float = Field(2.0, gt=0, description="Signals older than this are treated as unknown.")
     failure_threshold: int = Field(
-        3, ge=1, description="Consecutive failures (probes or connects) that mark a replica unhealthy."
+        3, ge=1, description="Consecutive failures (scrapes or connects) that mark a replica unhealthy."
     )
 
 
+class RoutingConfig(_Strict):
+    session_headers: tuple[str, ...] = Field(
+        ("x-session-id", "x-smg-routing-key", "x-dynamo-session-id"),
+        description="Headers carrying a session id, in order of precedence.",
+    )
+    session_fields: tuple[str, ...] = Field(
+        ("session_id", "prompt_cache_key", "user"), description="Body fields tried after the headers."
+    )
+    block_chars: int = Field(256, ge=16, description="Prefix block size in characters (~64 tokens).")
+    session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
+    rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
+    rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
+
+
+class AffinityConfig(_Strict):
+    store: Literal["memory", "redis"] = Field("memory", description="Where session homes live.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS) URL.")
+    key_prefix: str = Field("kvrouter:", description="Prefix of every Redis key (isolation).")
+    ttl_s: int = Field(3600, ge=1, description="Session key TTL, refreshed on use.")
+    lease_s: float = Field(10.0, gt=0, description="A router's in-flight counts expire this long after its last heartbeat.")
+    op_timeout_s: float = Field(0.25, gt=0, description="Timeout of one Redis operation.")
+    retry_after_s: float = Field(1.0, gt=0, description="After a Redis failure, local state only for this long.")
+
+
 class PolicyConfig(_Strict):
-    name: str = Field("round_robin", description="Routing policy name or preset.")
+    name: str = Field("coding-agent", description="Routing policy type or preset name.")
     params: dict[str, Any] = Field(default_factory=dict, description="Policy parameters.")
 
     @field_validator("name")
@@ -75,13 +111,20 @@ class PolicyConfig(_Strict):
             raise ValueError(f"unknown policy {value!r} (known: {', '.join(policy_names())})")
         return value
 
+    @model_validator(mode="after")
+    def _params_valid(self) -> "PolicyConfig":
+        build_policy(self.name, self.params)  # raises ValueError naming the parameter
+        return self
+
 
 class RouterConfig(_Strict):
     server: ServerConfig = ServerConfig()
     replicas: tuple[ReplicaUrl, ...] = Field((), description="Static replica base URLs.")
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
-    health: HealthConfig = HealthConfig()
+    signals: SignalsConfig = SignalsConfig()
+    routing: RoutingConfig = RoutingConfig()
+    affinity: AffinityConfig = AffinityConfig()
 
 
 def _one_line(err: ValidationError) -> str:

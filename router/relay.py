@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -17,11 +16,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import Policy, RequestSummary
+from ..policies.base import RequestSummary, SessionView
+from .affinity import AffinityStore
 from .config import UpstreamConfig
+from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, end_to_end
-from .replicas import ReplicaRegistry
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
@@ -57,18 +57,17 @@ def _last_event_end(data: bytes) -> int:
 class Relay:
     def __init__(
         self,
-        registry: ReplicaRegistry,
-        policy: Policy,
+        engine: RoutingEngine,
+        affinity: AffinityStore,
         metrics: RouterMetrics,
         config: UpstreamConfig,
-        rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.registry = registry
-        self.policy = policy
+        self.engine = engine
+        self.registry = engine.registry
+        self.affinity = affinity
         self.metrics = metrics
         self.config = config
-        self.rng = rng
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
         self.timeout = aiohttp.ClientTimeout(
@@ -96,21 +95,53 @@ class Relay:
         summary: RequestSummary,
         request_id: str,
     ) -> web.StreamResponse:
+        """Route and relay one client request; the session's in-flight count spans all attempts."""
+        key = summary.session_key
+        session = await self.affinity.get(key) if key is not None else None
+        began = [False]
+        try:
+            return await self._attempts(request, body, summary, request_id, session, began)
+        finally:
+            if key is not None and began[0]:
+                await self.affinity.end(key)
+
+    async def _attempts(
+        self,
+        request: web.Request,
+        body: bytes,
+        summary: RequestSummary,
+        request_id: str,
+        session: SessionView | None,
+        began: list[bool],
+    ) -> web.StreamResponse:
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers)
         headers[REQUEST_ID] = request_id
         tried: set[str] = set()
         last_problem = "no healthy replica"
+        policy = self.engine.policy.name
         for attempt in range(self.config.max_attempts):
             if tried:
                 summary = dataclasses.replace(summary, exclude=frozenset(tried))
-            decision = self.policy.decide(self.registry.snapshot(), summary, self.rng)
+            decision, summary = self.engine.decide(summary, session)
             if decision is None:
                 break
             url = decision.replica
+            if summary.session_key is not None and not began[0]:
+                began[0] = True
+                home = await self.affinity.begin(
+                    summary.session_key, decision.home,
+                    force=decision.reason == "rehome", tokens=summary.prompt_tokens,
+                )
+                if decision.home is not None and home not in (None, url) and home in self.registry:
+                    url = home  # another request or router set this session's home first
             tried.add(url)
-            self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
-            self.registry.dispatched(url, summary.prompt_tokens)
+            self.metrics.decisions.labels(policy, decision.reason).inc()
+            self.metrics.prompt_tokens.inc(summary.prompt_tokens)
+            self.metrics.est_cached_tokens.inc(
+                min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
+            )
+            self.engine.dispatched(url, summary)
             self.metrics.in_flight.labels(url).inc()
             try:
                 sent = self.clock()
@@ -135,7 +166,7 @@ class Relay:
                     continue
                 return await self._relay(request, upstream, url, request_id, sent)
             finally:
-                self.registry.completed(url, summary.prompt_tokens)
+                self.engine.completed(url, summary)
                 self.metrics.in_flight.labels(url).dec()
         return error_response(
             503,

@@ -10,7 +10,13 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from ..metrics.sglang import ReplicaSignals
 from ..policies.base import ReplicaView, Snapshot
+
+_SIGNAL_FIELDS = (
+    "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",
+    "max_total_num_tokens", "cache_hit_rate",
+)
 
 
 class ReplicaRegistry:
@@ -67,6 +73,23 @@ class ReplicaRegistry:
         self._views[url] = view
         self._snapshot = None
         return view
+
+    # -- polled signals and session totals -----------------------------------------------------
+    def update_signals(self, url: str, signals: ReplicaSignals | None) -> None:
+        """New polled signals, or None when they went stale (unknown)."""
+        values = {f: (getattr(signals, f) if signals is not None else None) for f in _SIGNAL_FIELDS}
+        self._update(url, **values)
+
+    def set_homed(self, url: str, sessions: int, tokens: int) -> None:
+        view = self._views.get(url)
+        if view is not None and (view.homed_sessions, view.homed_tokens) != (sessions, tokens):
+            self._update(url, homed_sessions=sessions, homed_tokens=tokens)
+
+    def mark_settled(self, url: str) -> None:
+        """A fresh replica has caught up with the cluster: no longer preferred."""
+        view = self._views.get(url)
+        if view is not None and view.fresh:
+            self._update(url, fresh=False)
 
     # -- in-flight accounting (dispatch and completion) -------------------------------------
     def dispatched(self, url: str, prompt_tokens: int) -> None:

@@ -5,44 +5,25 @@ Parses only what routing uses; the body bytes themselves are forwarded untouched
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..policies.base import RequestSummary
+from .config import RoutingConfig
+from .prefix import block_hashes, namespace, prompt_bytes, session_key
 
-CHARS_PER_TOKEN = 4  # rough estimate when the client sends text, not token ids
-
-
-def _text_len(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):  # OpenAI content parts / batched prompts
-        return sum(_text_len(v.get("text", "") if isinstance(v, dict) else v) for v in value)
-    return 0
+BYTES_PER_TOKEN = 4  # ~4 characters per token for code and English; token ids are 4 bytes each
 
 
-def estimate_prompt_tokens(route: str, body: dict[str, Any]) -> int:
-    if route == "/v1/chat/completions":
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            chars = sum(_text_len(m.get("content")) for m in messages if isinstance(m, dict))
-            return chars // CHARS_PER_TOKEN
-        return 0
-    if route == "/generate":
-        ids = body.get("input_ids")
-        if isinstance(ids, list):
-            return len(ids)
-        return _text_len(body.get("text")) // CHARS_PER_TOKEN
-    return _text_len(body.get("prompt")) // CHARS_PER_TOKEN
-
-
-def summarize(route: str, body: dict[str, Any]) -> RequestSummary:
+def summarize(
+    route: str, body: dict[str, Any], headers: Mapping[str, str], config: RoutingConfig
+) -> RequestSummary:
     model = body.get("model")
+    data = prompt_bytes(route, body)
     return RequestSummary(
         route=route,
-        prompt_tokens=estimate_prompt_tokens(route, body),
+        session_key=session_key(headers, body, config.session_headers, config.session_fields),
+        prompt_tokens=len(data) // BYTES_PER_TOKEN,
         model=model if isinstance(model, str) else None,
+        prefix_blocks=block_hashes(data, namespace(body), config.block_chars),
     )
-
-
-def wants_stream(body: dict[str, Any]) -> bool:
-    return body.get("stream") is True

@@ -111,7 +111,7 @@ async def test_health_ready_metrics(start_app, start_router, closed_port_url):
 
 async def test_ready_is_503_when_no_replica_is_healthy(start_router, closed_port_url):
     router, router_url = await start_router(
-        [closed_port_url], health={"interval_s": 0.05, "failure_threshold": 1, "timeout_s": 0.5}
+        [closed_port_url], signals={"interval_s": 0.05, "failure_threshold": 1, "timeout_s": 0.5}
     )
     async with aiohttp.ClientSession() as client:
         for _ in range(100):

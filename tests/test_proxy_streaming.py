@@ -68,7 +68,7 @@ async def test_503_before_first_byte_is_retried(start_app, start_router):
     good = FakeUpstream(name="good")
     _, router_url = await start_router(
         [await start_app(busy.app()), await start_app(good.app())],
-        health={"interval_s": 60},
+        signals={"interval_s": 60},
     )
     async with aiohttp.ClientSession() as client:
         for _ in range(4):

@@ -1,0 +1,142 @@
+"""coding-agent: session affinity, overflow shedding, cost-based placement, fresh replicas first.
+
+The rules, in order (each decision's `reason` names the rule that made it):
+1. affinity   A session whose home is healthy and under its high-water marks goes home. A request
+              with no session id treats the replica holding most of its prefix (at least
+              `prefix_home_min_fraction` of the prompt) as its home.
+2. overflow   If the session already has `session_high_water` requests in flight, or the home is
+              above a high-water mark (running, queued, token_usage), this request goes to the
+              cheapest other replica; the home is kept for later turns.
+3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
+   retry      A retry after the home failed this very request is placed by cost; home kept.
+4. new_session / fresh_replica
+              New sessions are placed by expected cost (policies/cost.py: queueing + prefill of
+              the tokens that replica has not cached + host load-back + KV capacity penalty).
+              While a fresh replica (one seen for the first time) is below the cluster's mean
+              load, new sessions go to fresh replicas only.
+5. fallback   Every candidate is over its high-water marks: the cheapest one still takes it.
+Near-ties (cost within `tie_tolerance`) are broken by power of two choices on load, never by
+index order. At most `max_candidates` replicas are costed (a random sample, plus the home and
+every replica holding part of the prefix), so a decision stays cheap at 1000 replicas.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .base import Decision, ReplicaView, RequestSummary, Snapshot
+from .cost import CostParams, expected_cost
+
+
+class CodingAgentParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_high_water: int = Field(2, ge=1, description="A session's concurrent requests at home; more overflow.")
+    replica_max_running: int = Field(40, ge=1, description="Home high-water: running+queued requests.")
+    replica_max_queue: int = Field(2, ge=0, description="Home high-water: requests queued at the replica.")
+    replica_max_token_usage: float = Field(0.92, gt=0, le=1.0, description="Home high-water: SGLang token_usage.")
+    prefix_home_min_fraction: float = Field(0.5, ge=0, le=1.0, description="Keyless requests: cached share that makes a replica home.")
+    fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
+    tie_tolerance: float = Field(0.05, ge=0, description="Relative cost gap still treated as a tie.")
+    tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
+    max_candidates: int = Field(64, ge=2, description="Replicas costed per decision (sampled beyond this).")
+    cost: CostParams = CostParams()
+
+
+class CodingAgent:
+    name = "coding_agent"
+
+    def __init__(self, params: CodingAgentParams | None = None) -> None:
+        self.params = params or CodingAgentParams()
+
+    # -- high-water marks ------------------------------------------------------------------------
+    def overloaded(self, r: ReplicaView) -> bool:
+        p = self.params
+        return (
+            r.load >= p.replica_max_running
+            or (r.num_queue_reqs or 0) > p.replica_max_queue
+            or (r.token_usage or 0.0) > p.replica_max_token_usage
+        )
+
+    # -- the pipeline ----------------------------------------------------------------------------
+    def decide(
+        self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
+    ) -> Decision | None:
+        candidates = snapshot.candidates(request)
+        if not candidates:
+            return None
+        by_id = {r.id: r for r in candidates}
+        session = snapshot.session
+        home_id = session.home if session is not None else self._prefix_home(request, by_id)
+        home = by_id.get(home_id) if home_id is not None else None
+
+        if home is not None:
+            session_busy = session is not None and session.in_flight >= self.params.session_high_water
+            if not session_busy and not self.overloaded(home):
+                return Decision(home.id, "affinity")
+            others = [r for r in candidates if r.id != home.id] or [home]
+            choice, reason = self._cheapest(others, request, rng, "overflow")
+            return Decision(choice.id, reason)
+
+        keyed = session is not None and session.key is not None
+        reason = "new_session"
+        if session is not None and session.home is not None:
+            if session.home in request.exclude:
+                # A retry after the home just failed: place this request, keep the home.
+                choice, reason = self._cheapest(candidates, request, rng, "retry")
+                return Decision(choice.id, reason)
+            reason = "rehome"  # the home left the healthy set
+        pool = candidates
+        if reason == "new_session":
+            fresh = self._fresh_below_mean(snapshot, candidates)
+            if fresh:
+                pool, reason = fresh, "fresh_replica"
+        choice, reason = self._cheapest(pool, request, rng, reason)
+        return Decision(choice.id, reason, home=choice.id if keyed else None)
+
+    def _prefix_home(self, request: RequestSummary, by_id: dict[str, ReplicaView]) -> str | None:
+        if not request.cached_tokens or request.prompt_tokens <= 0:
+            return None
+        best = max(request.cached_tokens.items(), key=lambda kv: (kv[1], kv[0]))
+        if best[0] in by_id and best[1] >= self.params.prefix_home_min_fraction * request.prompt_tokens:
+            return best[0]
+        return None
+
+    def _fresh_below_mean(self, snapshot: Snapshot, candidates: list[ReplicaView]) -> list[ReplicaView]:
+        fresh = [r for r in candidates if r.fresh]
+        if not fresh:
+            return []
+        healthy = [r for r in snapshot.replicas if r.healthy]
+        mean = sum(r.load for r in healthy) / len(healthy)
+        limit = self.params.fresh_until_mean_ratio * mean
+        return [r for r in fresh if r.load < limit or r.load == 0]
+
+    def _cheapest(
+        self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random, reason: str
+    ) -> tuple[ReplicaView, str]:
+        p = self.params
+        usable = [r for r in pool if not self.overloaded(r)]
+        if not usable:
+            usable, reason = pool, "fallback"
+        if len(usable) > p.max_candidates:
+            usable = self._sample(usable, request, rng)
+        costs = [(expected_cost(p.cost, r, request), r) for r in usable]
+        best = min(c for c, _ in costs)
+        ties = [r for c, r in costs if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
+        if len(ties) == 1:
+            return ties[0], reason
+        a, b = rng.sample(ties, 2)  # power of two choices among near-equal costs
+        return (a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b), reason
+
+    def _sample(
+        self, usable: list[ReplicaView], request: RequestSummary, rng: random.Random
+    ) -> list[ReplicaView]:
+        """Every replica holding part of the prefix, every fresh one, then a random sample."""
+        keep = [r for r in usable if r.fresh or request.cached_tokens.get(r.id)]
+        keep = keep[: self.params.max_candidates // 2]
+        kept = {r.id for r in keep}
+        rest = [r for r in usable if r.id not in kept]
+        keep.extend(rng.sample(rest, min(len(rest), self.params.max_candidates - len(keep))))
+        return keep

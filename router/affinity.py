@@ -1,0 +1,256 @@
+"""Affinity stores: session -> home replica and the session's in-flight count.
+
+`MemoryAffinityStore` (the default) is the local `SessionTable`. `RedisAffinityStore` shares homes
+and in-flight counts between router instances. In-flight counts are kept per router, in a field
+`r:<router id>` of the session hash, and only count while that router's heartbeat in the
+`routers` sorted set is younger than `lease_s`: a router that dies cannot leak counts. Every
+update is one Lua script (atomic). If Redis fails, requests keep flowing on the local table,
+`degraded` is set, and Redis is retried after `retry_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+from ..policies.base import SessionView
+from .sessions import SessionTable
+
+log = logging.getLogger("kvrouter.affinity")
+
+_GET = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local h = redis.call('HGETALL', KEYS[1])
+local home = false
+local total = 0
+for i = 1, #h, 2 do
+  local f = h[i]
+  if f == 'home' then
+    home = h[i + 1]
+  elseif string.sub(f, 1, 2) == 'r:' then
+    local beat = redis.call('ZSCORE', KEYS[2], string.sub(f, 3))
+    if beat and now - tonumber(beat) <= tonumber(ARGV[1]) then
+      total = total + tonumber(h[i + 1])
+    else
+      redis.call('HDEL', KEYS[1], f)
+    end
+  end
+end
+if home then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return {home, total}
+"""
+
+# ARGV: router id, ttl, home ('' = keep), force (1 = overwrite an existing home)
+_BEGIN = """
+if ARGV[3] ~= '' and (ARGV[4] == '1' or redis.call('HEXISTS', KEYS[1], 'home') == 0) then
+  redis.call('HSET', KEYS[1], 'home', ARGV[3])
+end
+redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[1], 1)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return redis.call('HGET', KEYS[1], 'home')
+"""
+
+_END = """
+local n = redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[1], -1)
+if n <= 0 then redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1]) end
+return n
+"""
+
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]) * 10)
+return now
+"""
+
+
+class AffinityStore(Protocol):
+    table: SessionTable
+    degraded: bool
+
+    async def get(self, key: str) -> SessionView: ...
+    async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None: ...
+    async def end(self, key: str) -> None: ...
+    async def move(self, key: str, home: str) -> None: ...
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class MemoryAffinityStore:
+    """Process-local affinity: the embedded default (one router process)."""
+
+    degraded = False
+
+    def __init__(self, table: SessionTable, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.clock = clock
+
+    async def get(self, key: str) -> SessionView:
+        return self.table.view(key)
+
+    async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
+        now = self.clock()
+        entry = self.table.entry(key)
+        keep = entry is not None and entry.home is not None and not force
+        self.table.touch(key, now, home=None if keep else home, tokens=tokens)
+        self.table.acquire(key, now)
+        entry = self.table.entry(key)
+        return entry.home if entry is not None else None
+
+    async def end(self, key: str) -> None:
+        self.table.release(key, self.clock())
+
+    async def move(self, key: str, home: str) -> None:
+        self.table.set_home(key, home, self.clock())
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisAffinityStore:
+    """Homes and in-flight counts shared by every router on one Redis."""
+
+    def __init__(
+        self,
+        table: SessionTable,
+        url: str,
+        *,
+        key_prefix: str = "kvrouter:",
+        ttl_s: int = 3600,
+        lease_s: float = 10.0,
+        op_timeout_s: float = 0.25,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self.table = table
+        self.local = MemoryAffinityStore(table, clock)
+        self.router_id = uuid.uuid4().hex[:12]
+        self.prefix = key_prefix
+        self.ttl_s = ttl_s
+        self.lease_ms = int(lease_s * 1000)
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self.on_error = on_error or (lambda op: None)
+        self.degraded = False
+        self._down_until = 0.0
+        self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
+        self.redis = aioredis.Redis.from_url(
+            url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
+            retry_on_timeout=False, health_check_interval=0,
+        )
+        self._get = self.redis.register_script(_GET)
+        self._begin = self.redis.register_script(_BEGIN)
+        self._end = self.redis.register_script(_END)
+        self._beat = self.redis.register_script(_HEARTBEAT)
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    def _key(self, session: str) -> str:
+        return f"{self.prefix}s:{session}"
+
+    @property
+    def _routers_key(self) -> str:
+        return f"{self.prefix}routers"
+
+    def _usable(self) -> bool:
+        return self.clock() >= self._down_until
+
+    def _failed(self, op: str, err: Exception) -> None:
+        if not self.degraded:
+            log.warning("redis %s failed (%s); routing on local state", op, type(err).__name__)
+        self.degraded = True
+        self._down_until = self.clock() + self.retry_after_s
+        self.on_error(op)
+
+    def _ok(self) -> None:
+        if self.degraded:
+            log.info("redis is back; affinity shared again")
+        self.degraded = False
+
+    async def get(self, key: str) -> SessionView:
+        if self._usable():
+            try:
+                home, total = await self._get(keys=[self._key(key), self._routers_key],
+                                              args=[self.lease_ms, self.ttl_s])
+                self._ok()
+                home = home.decode() if isinstance(home, bytes) else None
+                if home is not None:
+                    self.table.touch(key, self.clock(), home=home)
+                return SessionView(key, home, int(total))
+            except Exception as err:  # any Redis failure degrades, never fails a request
+                self._failed("get", err)
+        return await self.local.get(key)
+
+    async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
+        local_home = await self.local.begin(key, home, force=force, tokens=tokens)
+        if not self._usable():
+            return local_home
+        try:
+            shared = await self._begin(keys=[self._key(key)],
+                                       args=[self.router_id, self.ttl_s, home or "", int(force)])
+            self._ok()
+            self._acquired[key] = self._acquired.get(key, 0) + 1
+            shared_home = shared.decode() if isinstance(shared, bytes) else None
+            if shared_home is not None and shared_home != local_home:
+                self.table.touch(key, self.clock(), home=shared_home)  # another router won
+            return shared_home or local_home
+        except Exception as err:
+            self._failed("begin", err)
+            return local_home
+
+    async def end(self, key: str) -> None:
+        await self.local.end(key)
+        held = self._acquired.get(key, 0)
+        if held <= 0:
+            return  # acquired while Redis was down: nothing to give back there
+        if held == 1:
+            del self._acquired[key]
+        else:
+            self._acquired[key] = held - 1
+        try:
+            await self._end(keys=[self._key(key)], args=[self.router_id])
+            self._ok()
+        except Exception as err:
+            self._failed("end", err)
+
+    async def move(self, key: str, home: str) -> None:
+        await self.local.move(key, home)
+        if not self._usable():
+            return
+        try:
+            await self.redis.hset(self._key(key), "home", home)
+            self._ok()
+        except Exception as err:
+            self._failed("move", err)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._beat(keys=[self._routers_key], args=[self.router_id, self.lease_ms])
+                self._ok()
+            except Exception as err:
+                self._failed("heartbeat", err)
+            await asyncio.sleep(self.lease_ms / 3000)
+
+    async def start(self) -> None:
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="redis-heartbeat")
+
+    async def close(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            try:
+                await self._heartbeat_task
+            except asyncio.CancelledError:
+                pass
+        await self.redis.aclose()

@@ -1,0 +1,127 @@
+"""Decide, then record: the synchronous routing core shared by the live router and the simulator.
+
+The transport (or the simulator) builds a RequestSummary and reads the session from its affinity
+store; the engine fills in the KV-index match, takes a snapshot, asks the policy, and records the
+dispatch (in-flight, index). It also owns the scale-out housekeeping: settling fresh replicas and
+planning bounded session moves onto fresh replicas that arrivals alone do not fill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from dataclasses import dataclass
+
+from ..policies.base import Decision, Policy, RequestSummary, SessionView, Snapshot
+from .kv_index import ShadowKVIndex
+from .replicas import ReplicaRegistry
+from .sessions import SessionTable
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    session: str
+    source: str
+    target: str
+
+
+class RoutingEngine:
+    def __init__(
+        self,
+        policy: Policy,
+        registry: ReplicaRegistry,
+        index: ShadowKVIndex,
+        table: SessionTable,
+        rng: random.Random,
+    ) -> None:
+        self.policy = policy
+        self.registry = registry
+        self.index = index
+        self.table = table
+        self.rng = rng
+        self.fresh_since: dict[str, float] = {}
+
+    def sync_homed(self, replica: str) -> None:
+        """SessionTable callback: keep the replica's homed totals in its view."""
+        self.registry.set_homed(
+            replica, self.table.homed_sessions.get(replica, 0), self.table.homed_tokens.get(replica, 0)
+        )
+
+    def add_replica(self, url: str, now: float, *, fresh: bool = True) -> bool:
+        if not self.registry.add(url, fresh=fresh):
+            return False
+        if fresh:
+            self.fresh_since[url] = now
+        return True
+
+    def remove_replica(self, url: str) -> None:
+        self.registry.remove(url)
+        self.index.forget(url)
+        self.table.drop_replica(url)
+        self.fresh_since.pop(url, None)
+
+    # -- per request ---------------------------------------------------------------------------
+    def decide(
+        self, summary: RequestSummary, session: SessionView | None
+    ) -> tuple[Decision | None, RequestSummary]:
+        if summary.prefix_blocks:
+            summary = dataclasses.replace(summary, cached_tokens=self.index.match(summary.prefix_blocks))
+        snapshot = self.registry.snapshot()
+        if session is not None:
+            snapshot = Snapshot(snapshot.replicas, session)
+        return self.policy.decide(snapshot, summary, self.rng), summary
+
+    def dispatched(self, replica: str, summary: RequestSummary) -> None:
+        self.registry.dispatched(replica, summary.prompt_tokens)
+        if summary.prefix_blocks:
+            self.index.record(replica, summary.prefix_blocks)
+
+    def completed(self, replica: str, summary: RequestSummary) -> None:
+        self.registry.completed(replica, summary.prompt_tokens)
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def load_stats(self) -> tuple[float, float, float]:
+        """(mean, max/mean, coefficient of variation) of load over healthy replicas."""
+        loads = [r.load for r in self.registry.snapshot().replicas if r.healthy]
+        if not loads:
+            return 0.0, 0.0, 0.0
+        mean = sum(loads) / len(loads)
+        if mean == 0:
+            return 0.0, 0.0, 0.0
+        return mean, max(loads) / mean, statistics.pstdev(loads) / mean
+
+    def settle_fresh(self) -> None:
+        """A fresh replica whose load reached the cluster mean is an ordinary replica again."""
+        mean, _, _ = self.load_stats()
+        for view in self.registry.snapshot().replicas:
+            if view.fresh and mean > 0 and view.load >= mean:
+                self.registry.mark_settled(view.id)
+                self.fresh_since.pop(view.id, None)
+
+    def plan_rebalance(self, now: float, min_fresh_age_s: float, max_moves: int) -> list[Move]:
+        """Fresh replicas still below the mean after `min_fresh_age_s` get idle sessions from the
+        hottest replicas, cheapest to re-prefill (smallest context) first; never more than
+        `max_moves`, and never a session with a request in flight."""
+        views = [v for v in self.registry.snapshot().replicas if v.healthy]
+        targets = [v for v in views if v.fresh and now - self.fresh_since.get(v.id, now) >= min_fresh_age_s]
+        if not targets or max_moves <= 0:
+            return []
+        mean_tokens = sum(v.homed_tokens for v in views) / len(views)
+        target_tokens = {v.id: v.homed_tokens for v in targets}
+        moves: list[Move] = []
+        for hot in sorted(views, key=lambda v: -v.homed_tokens):
+            if hot.fresh or hot.homed_tokens <= mean_tokens or len(moves) >= max_moves:
+                break
+            spare = hot.homed_tokens - mean_tokens
+            idle = sorted((e.tokens, k) for k, e in self.table.sessions_of(hot.id) if e.in_flight == 0)
+            for tokens, key in idle:
+                if len(moves) >= max_moves or tokens > spare:
+                    break
+                target = min(target_tokens, key=lambda t: (target_tokens[t], t))
+                if target_tokens[target] + tokens > mean_tokens:
+                    return moves
+                moves.append(Move(key, hot.id, target))
+                target_tokens[target] += tokens
+                spare -= tokens
+        return moves

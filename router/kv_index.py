@@ -1,0 +1,96 @@
+"""An approximate, capacity-aware shadow of which prefix blocks each replica holds.
+
+Recorded at dispatch (the replica will cache the prompt), bounded per replica by that replica's
+KV capacity (max_total_num_tokens) in blocks, LRU. Blocks are touched leaf-first so a prefix's
+root is always more recent than its tail: eviction trims conversations from the end, as SGLang's
+radix cache evicts leaves, and a surviving root never points at an evicted middle.
+Synchronous and lock-free: the event loop is the only writer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class ShadowKVIndex:
+    def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = 444_672) -> None:
+        self.block_tokens = block_tokens
+        self.default_capacity_tokens = default_capacity_tokens
+        self._holders: dict[int, set[str]] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity_blocks: dict[str, int] = {}
+
+    def set_capacity(self, replica: str, max_total_num_tokens: int) -> None:
+        self._capacity_blocks[replica] = max(1, max_total_num_tokens // self.block_tokens)
+        self._evict(replica)
+
+    def match(self, blocks: Sequence[int]) -> dict[str, int]:
+        """Tokens of the longest cached prefix of `blocks`, per replica holding any of it."""
+        if not blocks:
+            return {}
+        first = self._holders.get(blocks[0])
+        if not first:
+            return {}
+        alive = set(first)
+        matched: dict[str, int] = {}
+        depth = 1
+        for block in blocks[1:]:
+            holders = self._holders.get(block)
+            still = alive & holders if holders else set()
+            if len(still) != len(alive):
+                for replica in alive - still:
+                    matched[replica] = depth * self.block_tokens
+                alive = still
+                if not alive:
+                    break
+            depth += 1
+        for replica in alive:
+            matched[replica] = depth * self.block_tokens
+        return matched
+
+    def record(self, replica: str, blocks: Sequence[int]) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            lru = self._lru[replica] = OrderedDict()
+        for block in reversed(blocks):
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+                self._holders.setdefault(block, set()).add(replica)
+        self._evict(replica)
+
+    def _evict(self, replica: str) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
+        while len(lru) > limit:
+            block, _ = lru.popitem(last=False)
+            self._drop(block, replica)
+
+    def _drop(self, block: int, replica: str) -> None:
+        holders = self._holders.get(block)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[block]
+
+    def forget(self, replica: str, blocks: Iterable[int] | None = None) -> None:
+        """Drop a replica entirely (removed, flushed) or some of its blocks."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        if blocks is None:
+            for block in lru:
+                self._drop(block, replica)
+            del self._lru[replica]
+            return
+        for block in blocks:
+            if block in lru:
+                del lru[block]
+                self._drop(block, replica)
+
+    def cached_tokens(self, replica: str) -> int:
+        return len(self._lru.get(replica, ())) * self.block_tokens

@@ -1,0 +1,99 @@
+"""Replica signal pollers: every `interval_s`, scrape each replica's SGLang `/metrics` (or
+`/v1/loads`) concurrently; a scrape that answers is also a health check. A slow or dead replica
+never delays the others (each scrape has its own timeout). Signals older than `stale_after_s`
+are cleared to unknown; `failure_threshold` consecutive failures make a replica unhealthy until
+a scrape succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+
+from ..metrics.router_metrics import RouterMetrics
+from ..metrics.sglang import ReplicaSignals, SignalParseError, parse_loads_json, parse_metrics_text
+from .config import SignalsConfig
+from .replicas import ReplicaRegistry
+
+log = logging.getLogger("kvrouter.poller")
+
+
+class SignalPoller:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        metrics: RouterMetrics,
+        config: SignalsConfig,
+        clock: Callable[[], float] = time.monotonic,
+        on_signals: Callable[[str, ReplicaSignals], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.config = config
+        self.clock = clock
+        self.on_signals = on_signals or (lambda url, signals: None)
+        self.last_update: dict[str, float] = {}
+
+    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> ReplicaSignals | None:
+        """Signals, or None when the replica is alive but exposes none. Raises on failure."""
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        path = "/v1/loads" if self.config.source == "loads" else "/metrics"
+        if self.config.source != "health":
+            async with session.get(url + path, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status == 200:
+                    if self.config.source == "loads":
+                        return parse_loads_json(orjson.loads(body))
+                    return parse_metrics_text(body.decode("utf-8", "replace"))
+                if resp.status not in (404, 405):
+                    raise SignalParseError(f"{path} answered {resp.status}")
+        async with session.get(url + "/health", timeout=timeout) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise SignalParseError(f"/health answered {resp.status}")
+        return None
+
+    async def poll(self, session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            signals = await self._scrape(session, url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, SignalParseError, ValueError) as err:
+            self.metrics.poll_errors.labels(url).inc()
+            if self.registry.record_failure(url):
+                log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
+        else:
+            if self.registry.record_success(url):
+                log.info("replica %s is healthy again", url)
+            if signals is not None:
+                self.registry.update_signals(url, signals)
+                self.last_update[url] = self.clock()
+                self.on_signals(url, signals)
+        view = self.registry.view(url)
+        if view is not None:
+            self.metrics.replica_healthy.labels(url).set(1 if view.healthy else 0)
+
+    def expire_stale(self) -> None:
+        now = self.clock()
+        for url in self.registry.urls():
+            seen = self.last_update.get(url)
+            if seen is None:
+                continue
+            age = now - seen
+            self.metrics.signal_age.labels(url).set(age)
+            if age > self.config.stale_after_s:
+                self.registry.update_signals(url, None)
+                del self.last_update[url]
+
+    async def poll_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.poll(session, url) for url in self.registry.urls()))
+        self.expire_stale()
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            started = self.clock()
+            await self.poll_all(session)
+            await asyncio.sleep(max(0.0, self.config.interval_s - (self.clock() - started)))

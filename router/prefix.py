@@ -1,0 +1,89 @@
+"""Session identity and prefix block hashes of a request, from its parsed body.
+
+Block hashes are chained (each covers everything before it) over a canonical rendering of the
+whole prompt: tools, then every message's role and content, so two conversations share blocks
+exactly as long as their text agrees. The chain is seeded by a namespace of model, LoRA,
+`cache_salt` and `extra_key`, because SGLang never shares cache across those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+# ~64 tokens at ~4 characters per token: one SGLang page for Kimi/DeepSeek MLA on B200.
+BLOCK_CHARS = 256
+BLOCK_TOKENS = 64
+DEFAULT_SESSION_HEADERS = ("x-session-id", "x-smg-routing-key", "x-dynamo-session-id")
+DEFAULT_SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
+_NAMESPACE_FIELDS = ("model", "lora_path", "lora", "cache_salt", "extra_key")
+
+
+def session_key(
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    header_names: Sequence[str] = DEFAULT_SESSION_HEADERS,
+    body_fields: Sequence[str] = DEFAULT_SESSION_FIELDS,
+) -> str | None:
+    """The session id from the first configured header, else body field; None if absent.
+    It is an identity only: it never becomes prefix text."""
+    for name in header_names:
+        value = headers.get(name)
+        if value:
+            return value[:256]
+    for name in body_fields:
+        value = body.get(name)
+        if isinstance(value, str) and value:
+            return value[:256]
+        if name == "session_id" and isinstance(body.get("session_params"), dict):
+            nested = body["session_params"].get("id")
+            if isinstance(nested, str) and nested:
+                return nested[:256]
+    return None
+
+
+def namespace(body: Mapping[str, Any]) -> bytes:
+    parts = [f"{k}={body[k]}" for k in _NAMESPACE_FIELDS if isinstance(body.get(k), (str, int))]
+    return "\x1f".join(parts).encode()
+
+
+def _content_bytes(content: Any) -> bytes:
+    if isinstance(content, str):
+        return content.encode("utf-8", "surrogatepass")
+    if content is None:
+        return b""
+    return orjson.dumps(content)  # content parts, tool calls: canonical JSON
+
+
+def prompt_bytes(route: str, body: Mapping[str, Any]) -> bytes:
+    """The prompt as one canonical byte string (not the wire JSON, whose key order may vary)."""
+    if route == "/v1/chat/completions":
+        parts: list[bytes] = []
+        if body.get("tools"):
+            parts.append(b"tools\x1e" + orjson.dumps(body["tools"]) + b"\x1d")
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                parts.append(str(m.get("role", "")).encode() + b"\x1e" + _content_bytes(m.get("content")))
+                if m.get("tool_calls"):
+                    parts.append(orjson.dumps(m["tool_calls"]))
+                parts.append(b"\x1d")
+        return b"".join(parts)
+    if route == "/generate" and isinstance(body.get("input_ids"), list):
+        ids = [i for i in body["input_ids"] if isinstance(i, int) and 0 <= i < 2**32]
+        return array("I", ids).tobytes()  # 4 bytes per token keeps block size in step
+    key = "text" if route == "/generate" else "prompt"
+    return _content_bytes(body.get(key))
+
+
+def block_hashes(data: bytes, ns: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
+    """Chained 64-bit hashes of every whole block of `data`."""
+    h = hashlib.blake2b(ns, digest_size=8)
+    out = []
+    for start in range(0, len(data) - block_chars + 1, block_chars):
+        h.update(data[start : start + block_chars])
+        out.append(int.from_bytes(h.copy().digest(), "big", signed=True))
+    return tuple(out)

@@ -1,0 +1,90 @@
+"""The local session table: each session's home, in-flight count and last context size, plus the
+per-replica totals policies read (homed sessions and their KV demand). Synchronous; the clock is
+passed in, so the cluster simulator drives it in virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..policies.base import SessionView
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    home: str | None = None
+    in_flight: int = 0
+    tokens: int = 0  # last prompt size: the KV this session needs at home
+    last_seen: float = 0.0
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float = 3600.0, on_home_change: Callable[[str], None] | None = None):
+        self.ttl_s = ttl_s
+        self._entries: dict[str, SessionEntry] = {}
+        self.homed_sessions: dict[str, int] = {}
+        self.homed_tokens: dict[str, int] = {}
+        self._on_change = on_home_change or (lambda replica: None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def view(self, key: str) -> SessionView:
+        e = self._entries.get(key)
+        if e is None:
+            return SessionView(key)
+        return SessionView(key, e.home, e.in_flight)
+
+    def entry(self, key: str) -> SessionEntry | None:
+        return self._entries.get(key)
+
+    def _account(self, home: str | None, sessions: int, tokens: int) -> None:
+        if home is None:
+            return
+        self.homed_sessions[home] = self.homed_sessions.get(home, 0) + sessions
+        self.homed_tokens[home] = self.homed_tokens.get(home, 0) + tokens
+        self._on_change(home)
+
+    def touch(self, key: str, now: float, *, home: str | None = None, tokens: int | None = None) -> SessionEntry:
+        """Record a request of `key`: a new home (if given) and its context size."""
+        e = self._entries.get(key)
+        if e is None:
+            e = self._entries[key] = SessionEntry(last_seen=now)
+        new_tokens = e.tokens if tokens is None else tokens
+        if (home is not None and home != e.home) or new_tokens != e.tokens:
+            self._account(e.home, -1, -e.tokens)
+            if home is not None:
+                e.home = home
+            e.tokens = new_tokens
+            self._account(e.home, 1, e.tokens)
+        e.last_seen = now
+        return e
+
+    def set_home(self, key: str, home: str, now: float) -> None:
+        self.touch(key, now, home=home)
+
+    def acquire(self, key: str, now: float) -> None:
+        self.touch(key, now).in_flight += 1
+
+    def release(self, key: str, now: float) -> None:
+        e = self._entries.get(key)
+        if e is not None:
+            e.in_flight = max(0, e.in_flight - 1)
+            e.last_seen = now
+
+    def sessions_of(self, replica: str) -> list[tuple[str, SessionEntry]]:
+        return [(k, e) for k, e in self._entries.items() if e.home == replica]
+
+    def drop_replica(self, replica: str) -> None:
+        """The replica is gone: its sessions lose their home and will be rehomed."""
+        for key, e in self.sessions_of(replica):
+            self._account(e.home, -1, -e.tokens)
+            e.home = None
+
+    def expire(self, now: float) -> int:
+        """Forget idle sessions past their TTL; returns how many."""
+        dead = [k for k, e in self._entries.items() if e.in_flight == 0 and now - e.last_seen > self.ttl_s]
+        for key in dead:
+            e = self._entries.pop(key)
+            self._account(e.home, -1, -e.tokens)
+        return len(dead)
