@@ -59,3 +59,13 @@ def closed_port_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from .redis_server import RedisProcess
+
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.kill()

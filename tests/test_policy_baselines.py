@@ -1,0 +1,64 @@
+"""Baseline policies on hand-built snapshots."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvrouter.policies.base import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.registry import build_policy
+
+
+def snap(n: int, **overrides: ReplicaView) -> Snapshot:
+    views = [overrides.get(f"r{i}", ReplicaView(f"r{i}")) for i in range(n)]
+    return Snapshot(tuple(views))
+
+
+def test_consistent_hash_is_sticky_and_remaps_about_one_in_n_on_scale_out():
+    policy = build_policy("consistent-hash")
+    rng = random.Random(0)
+    keys = [f"session-{i}" for i in range(2000)]
+    before = {k: policy.decide(snap(10), RequestSummary("/x", session_key=k), rng).replica for k in keys}
+    again = {k: policy.decide(snap(10), RequestSummary("/x", session_key=k), rng).replica for k in keys}
+    assert before == again
+    after = {k: policy.decide(snap(11), RequestSummary("/x", session_key=k), rng).replica for k in keys}
+    moved = sum(before[k] != after[k] for k in keys) / len(keys)
+    assert 0.04 < moved < 0.16  # ~1/11, and only to the new replica
+    assert all(after[k] == "r10" for k in keys if before[k] != after[k])
+
+
+def test_consistent_hash_skips_unhealthy_without_remapping_others():
+    policy = build_policy("consistent-hash")
+    rng = random.Random(0)
+    keys = [f"s{i}" for i in range(500)]
+    base = {k: policy.decide(snap(5), RequestSummary("/x", session_key=k), rng).replica for k in keys}
+    down = snap(5, r2=ReplicaView("r2", healthy=False))
+    after = {k: policy.decide(down, RequestSummary("/x", session_key=k), rng).replica for k in keys}
+    assert all(after[k] == base[k] for k in keys if base[k] != "r2")
+    assert "r2" not in after.values()
+
+
+def test_least_load_picks_minimum():
+    policy = build_policy("least-load")
+    s = snap(3, r0=ReplicaView("r0", in_flight=2), r1=ReplicaView("r1", num_running_reqs=1),
+             r2=ReplicaView("r2", in_flight=3))
+    assert policy.decide(s, RequestSummary("/x"), random.Random(0)).replica == "r1"
+
+
+def test_prefix_aware_follows_match_unless_imbalanced():
+    policy = build_policy("prefix-aware")
+    rng = random.Random(0)
+    req = RequestSummary("/x", prompt_tokens=1000, cached_tokens={"r1": 900})
+    assert policy.decide(snap(3), req, rng).reason == "prefix_match"
+    weak = RequestSummary("/x", prompt_tokens=1000, cached_tokens={"r1": 100})
+    assert policy.decide(snap(3), weak, rng).reason == "least_load"
+    hot = snap(3, r1=ReplicaView("r1", in_flight=100), r0=ReplicaView("r0", in_flight=1))
+    d = policy.decide(hot, req, rng)
+    assert d.reason == "imbalanced" and d.replica == "r2"
+
+
+def test_random_spreads():
+    policy = build_policy("random")
+    rng = random.Random(3)
+    counts = Counter(policy.decide(snap(4), RequestSummary("/x"), rng).replica for _ in range(400))
+    assert len(counts) == 4 and min(counts.values()) > 60

@@ -1,0 +1,138 @@
+"""coding_agent's rules on hand-built snapshots: no servers, no clocks, seeded rng."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvrouter.policies.base import ReplicaView, RequestSummary, SessionView, Snapshot
+from kvrouter.policies.coding_agent import CodingAgent, CodingAgentParams
+from kvrouter.policies.registry import build_policy
+
+P = CodingAgent()
+
+
+def req(prompt: int = 100_000, cached: dict[str, int] | None = None, **kw) -> RequestSummary:
+    return RequestSummary(route="/v1/chat/completions", session_key=kw.pop("key", "s1"),
+                          prompt_tokens=prompt, cached_tokens=cached or {}, **kw)
+
+
+def decide(replicas, request, session=None, seed=0):
+    return P.decide(Snapshot(tuple(replicas), session), request, random.Random(seed))
+
+
+def test_affinity_sends_a_session_home():
+    reps = [ReplicaView("a", in_flight=5), ReplicaView("b"), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 98_000}), SessionView("s1", home="a", in_flight=0))
+    assert (d.replica, d.reason, d.home) == ("a", "affinity", None)
+
+
+def test_session_over_high_water_overflows_to_cheapest_other_and_keeps_home():
+    reps = [ReplicaView("a"), ReplicaView("b", in_flight=3), ReplicaView("c", in_flight=0)]
+    d = decide(reps, req(cached={"a": 98_000}), SessionView("s1", home="a", in_flight=2))
+    assert d.reason == "overflow" and d.replica == "c" and d.home is None
+
+
+@pytest.mark.parametrize("home", [
+    ReplicaView("a", num_running_reqs=45, num_queue_reqs=0),   # running high-water
+    ReplicaView("a", num_running_reqs=10, num_queue_reqs=5),   # queue high-water
+    ReplicaView("a", num_running_reqs=3, token_usage=0.97),    # KV high-water
+])
+def test_overloaded_home_overflows(home):
+    d = decide([home, ReplicaView("b"), ReplicaView("c", in_flight=2)], req(),
+               SessionView("s1", home="a"))
+    assert d.reason == "overflow" and d.replica == "b"
+
+
+def test_unhealthy_home_rehomes_by_cost():
+    reps = [ReplicaView("a", healthy=False), ReplicaView("b", in_flight=4), ReplicaView("c")]
+    d = decide(reps, req(), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome", "c")
+
+
+def test_retry_after_home_failed_keeps_home():
+    reps = [ReplicaView("a"), ReplicaView("b")]
+    d = decide(reps, req(exclude=frozenset({"a"})), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("b", "retry", None)
+
+
+def test_new_session_goes_where_its_prefix_is_cached():
+    # Same load everywhere; "b" already holds 60k tokens of this prompt (shared repo context).
+    reps = [ReplicaView("a"), ReplicaView("b"), ReplicaView("c")]
+    d = decide(reps, req(cached={"b": 60_000}), SessionView("s1"))
+    assert (d.replica, d.reason, d.home) == ("b", "new_session", "b")
+
+
+def test_new_session_avoids_queue_and_kv_overcommit():
+    reps = [
+        ReplicaView("busy", num_running_reqs=30, num_queue_reqs=2),
+        ReplicaView("full", homed_tokens=430_000, max_total_num_tokens=444_672),
+        ReplicaView("ok", num_running_reqs=4, homed_tokens=100_000, max_total_num_tokens=444_672),
+    ]
+    d = decide(reps, req(), SessionView("s1"))
+    assert d.replica == "ok"
+
+
+def test_fresh_replica_preferred_until_it_reaches_the_mean():
+    reps = [ReplicaView("a", in_flight=6), ReplicaView("b", in_flight=6),
+            ReplicaView("new", fresh=True, in_flight=1)]
+    d = decide(reps, req(), SessionView("s1"))
+    assert (d.replica, d.reason) == ("new", "fresh_replica")
+    reps[2] = ReplicaView("new", fresh=True, in_flight=6)  # now at the mean: ordinary placement
+    assert decide(reps, req(), SessionView("s1")).reason == "new_session"
+
+
+def test_ties_broken_by_power_of_two_not_index_order():
+    reps = [ReplicaView(str(i)) for i in range(8)]
+    picks = {decide(reps, req(), SessionView("s1"), seed=s).replica for s in range(40)}
+    assert len(picks) >= 5  # many replicas win across seeds, not always the first
+
+
+def test_p2c_prefers_lower_load_among_ties():
+    # Costs tie within tolerance; of any two sampled, the lower-load one wins, so the busiest never does.
+    reps = [ReplicaView("x", in_flight=1), ReplicaView("y", in_flight=0), ReplicaView("z", in_flight=1)]
+    picks = [decide(reps, req(prompt=1000), SessionView("s1"), seed=s).replica for s in range(30)]
+    assert "y" in picks and picks.count("y") > picks.count("x")
+
+
+def test_all_overloaded_falls_back_to_cheapest():
+    reps = [ReplicaView("a", num_running_reqs=48, num_queue_reqs=9),
+            ReplicaView("b", num_running_reqs=48, num_queue_reqs=3)]
+    d = decide(reps, req(), SessionView("s1"))
+    assert (d.replica, d.reason) == ("b", "fallback")
+
+
+def test_stale_signals_fall_back_to_own_in_flight():
+    # Polled signals unknown (None) on "a": its load is this router's in-flight count.
+    reps = [ReplicaView("a", in_flight=7), ReplicaView("b", num_running_reqs=2, in_flight=0)]
+    assert reps[0].load == 7 and reps[1].load == 2
+    assert decide(reps, req(), SessionView("s1")).replica == "b"
+
+
+def test_keyless_request_treats_the_prefix_holder_as_home():
+    reps = [ReplicaView("a"), ReplicaView("b", in_flight=3)]
+    d = decide(reps, req(key=None, cached={"b": 90_000}))
+    assert (d.replica, d.reason, d.home) == ("b", "affinity", None)
+
+
+def test_no_candidates_means_none():
+    assert decide([ReplicaView("a", healthy=False)], req(), SessionView("s1")) is None
+
+
+def test_large_fleet_costs_a_bounded_sample_including_prefix_holder():
+    reps = [ReplicaView(f"r{i}", in_flight=3) for i in range(1000)]
+    reps[777] = ReplicaView("r777", in_flight=3)
+    d = decide(reps, req(cached={"r777": 99_000}), SessionView("s1"))
+    assert d.replica == "r777"
+
+
+def test_params_parse_and_reject_bad_values():
+    policy = build_policy("coding-agent", {"session_high_water": 4, "cost": {"queue_s_per_waiting": 1}})
+    assert isinstance(policy, CodingAgent)
+    assert policy.params.session_high_water == 4 and policy.params.cost.queue_s_per_waiting == 1
+    assert policy.params.replica_max_queue == CodingAgentParams().replica_max_queue
+    with pytest.raises(ValueError, match="session_high_water"):
+        build_policy("coding-agent", {"session_high_water": 0})
+    with pytest.raises(ValueError, match="bogus"):
+        build_policy("coding-agent", {"bogus": 1})
