@@ -1,0 +1,102 @@
+"""Replica profiles: every constant of the simulated replica, loaded from `profiles/*.yaml`.
+
+A YAML file may say `base: <other profile>`; its keys then override the base's (one level, no
+deep merge: every field is a scalar). Units are SI: seconds, bytes, FLOP/s, bytes/s, tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = "kimi-k2.6-b200-tp4"
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+
+    # --- capacity and scheduler (SGLang server args) ---
+    gpus: int = Field(gt=0)
+    page_size: int = Field(gt=0)
+    max_total_num_tokens: int = Field(gt=0)
+    host_total_num_tokens: int = Field(default=0, ge=0)  # HiCache host pool; 0 = off
+    max_running_requests: int = Field(gt=0)
+    chunked_prefill_size: int = Field(gt=0)
+    new_token_ratio: float = Field(default=0.7, gt=0, le=1)
+    clip_max_new_tokens: int = Field(default=4096, gt=0)
+
+    # --- model ---
+    n_active_params: float = Field(gt=0)
+    n_total_params: float = Field(gt=0)
+    n_experts: int = Field(ge=1)
+    experts_per_token: int = Field(ge=1)
+    weight_bytes_per_param: float = Field(gt=0)
+    kv_bytes_per_token: float = Field(gt=0)
+    kv_read_shards: int = Field(default=1, ge=1)  # GPUs the KV read is split over
+    attn_flops_per_token_pair: float = Field(gt=0)
+
+    # --- hardware (per GPU) ---
+    flops_eff_per_gpu: float = Field(gt=0)
+    hbm_bw_per_gpu: float = Field(gt=0)
+    hbm_efficiency: float = Field(gt=0, le=1)
+    host_load_bw_per_gpu: float = Field(gt=0)
+
+    # --- fixed costs ---
+    t_prefill_overhead: float = Field(ge=0)
+    t_decode_overhead: float = Field(ge=0)
+
+    # --- speculative decoding (accept_length 1 and verify_tokens 1 = off) ---
+    spec_accept_length: float = Field(default=1.0, ge=1)
+    spec_verify_tokens: int = Field(default=1, ge=1)
+    t_draft: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        if self.n_active_params > self.n_total_params:
+            raise ValueError("n_active_params > n_total_params")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError("experts_per_token > n_experts")
+        if self.spec_accept_length > self.spec_verify_tokens:
+            raise ValueError("spec_accept_length cannot exceed spec_verify_tokens")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must hold at least one page")
+        return self
+
+
+def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.exists()):
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(list_profiles())
+        raise FileNotFoundError(f"unknown profile {name_or_path!r} (known: {known})")
+    if str(path) in seen:
+        raise ValueError(f"profile inheritance loop at {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a profile must be a mapping")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    merged = _read(base, (*seen, str(path)))
+    merged.update(data)
+    return merged
+
+
+def load_profile(name_or_path: str = DEFAULT_PROFILE) -> Profile:
+    data = _read(name_or_path)
+    path = Path(name_or_path)
+    # the file name, never inherited from a base ("kimi-k2.6-..." has dots: no Path.stem)
+    data["name"] = path.stem if path.suffix in (".yaml", ".yml") else name_or_path
+    return Profile.model_validate(data)
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))

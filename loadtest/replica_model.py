@@ -1,0 +1,489 @@
+"""A pure model of one SGLang replica: radix cache + FCFS scheduler + roofline timing.
+
+No I/O, no clock, no randomness: drivers call `submit`/`abort`/`advance` with their own `now`
+(non-decreasing) and read `next_event_time` to know when to come back. A submit to an idle
+replica sets next_event_time() to `now`: the prefill starts at the next advance(now), so requests
+submitted at the same instant share one prefill batch, as SGLang batches what it received together.
+
+Scheduler (after `managers/scheduler.py` and `schedule_policy.PrefillAdder`, default flags):
+- FCFS waiting queue. At each forward boundary a prefill batch is built if anything can be
+  admitted; it runs instead of decode (no mixed chunks), so running decodes pause meanwhile.
+- Admission of the queue head needs a free slot (< max_running_requests) and
+  uncached + host-hit + min(output, clip) < free + evictable - reserved, where reserved is what
+  admitted requests still need: unprefilled tokens + min(remaining output, clip) x new_token_ratio.
+  The head blocks the queue when it does not fit (no skipping).
+- A prefill batch holds at most chunked_prefill_size new tokens; a longer prompt is cut to a
+  page-aligned chunk and continues first in the next batch (one chunked request at a time).
+  Each chunk's full pages are inserted into the cache and stay locked (cache_unfinished_req), so a
+  concurrent request with the same prefix hits them.
+- The prefill forward samples the first token (FirstToken at the end of the last chunk); then
+  all decoding requests step together, each step emitting spec_accept_length tokens per request
+  (whole tokens: base + floor(k x accept)). Finish inserts the full pages of
+  prompt + output - 1 tokens (the last sampled token has no KV yet), then unlocks.
+- KV growth is allocated at segment ends. If a decode step would not fit, the request with the
+  fewest output tokens (then the longest prompt) is retracted to the queue front, its private
+  pages freed, and re-prefilled later from prompt + output so far (SGLang's retract_decode).
+
+Decode runs as analytic segments: a run of steps with a constant batch, ending at the next finish,
+after MAX_SEGMENT_STEPS steps, or where KV would run out. A step's time is fixed for the segment from
+the mean context at its start: context grows by accept_length per step, so the error over 64 steps
+is below one step time (tested against a step-by-step reference). A submit (with a free slot) or
+an abort cuts the segment at the first step boundary at or after `now`, exactly where SGLang's
+loop would look at its queue again. Gauges that change inside a segment (num_used_tokens) are
+updated at its end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import timing
+from .profiles import Profile
+from .radix_cache import KVSink, RadixCache
+
+MAX_SEGMENT_STEPS = 64
+_WAITING, _PREFILL, _DECODE, _DONE = range(4)
+_OP_PREFILL, _OP_DECODE, _OP_WAKE = 1, 2, 3
+
+
+@dataclass(slots=True)
+class SimRequest:
+    rid: str
+    prompt_len: int  # tokens
+    output_len: int  # tokens this request will generate (the driver decides, <= max_new_tokens)
+    page_keys: Sequence[int]  # chained keys of the full pages of prompt+output
+    token_ids: Sequence[int] | None = None  # only forwarded to the kv_sink
+
+
+@dataclass(slots=True, frozen=True)
+class FirstToken:
+    rid: str
+    time: float
+    cached_tokens: int
+    cached_device: int
+    cached_host: int
+    queue_time: float
+    ttft: float  # time - submit time
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    rid: str
+    time: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+ModelEvent = FirstToken | Finished
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaLoad:
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_used_tokens: int
+    max_total_num_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    gen_throughput: float
+    kv_available_tokens: int
+    kv_evictable_tokens: int
+    host_used_tokens: int
+    host_total_tokens: int
+    spec_accept_length: float
+
+
+class _Req:
+    __slots__ = (
+        "sim", "arrival", "state", "ctx", "filled", "gen", "base", "dsteps", "need",
+        "tree_pages", "own_pages", "admitted", "cached_dev", "cached_host", "first_sent",
+    )
+
+    def __init__(self, sim: SimRequest, arrival: float) -> None:
+        self.sim = sim
+        self.arrival = arrival
+        self.state = _WAITING
+        self.ctx = sim.prompt_len  # tokens to (re)prefill
+        self.filled = 0  # tokens with KV
+        self.gen = 0  # output tokens out
+        self.base = 0  # gen when the current decode phase began
+        self.dsteps = 0  # decode steps in the current phase
+        self.need = 0  # decode steps needed in the current phase
+        self.tree_pages = 0  # keys[:tree_pages] are cache pages locked by this request
+        self.own_pages = 0  # private pages (partial page, uninserted output)
+        self.admitted: float | None = None
+        self.cached_dev = 0
+        self.cached_host = 0
+        self.first_sent = False
+
+
+class ReplicaModel:
+    def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
+        self.profile = profile
+        self.cache = RadixCache(
+            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, kv_sink
+        )
+        self._ps = profile.page_size
+        self._cap_pages = profile.max_total_num_tokens // profile.page_size
+        self._own_pages = 0
+        self._reqs: dict[str, _Req] = {}
+        self._waiting: deque[_Req] = deque()
+        self._active: dict[str, _Req] = {}  # admitted: prefilling or decoding
+        self._decoding: list[_Req] = []
+        self._chunked: _Req | None = None
+        self._done: OrderedDict[str, int] = OrderedDict()
+        self._pending: list[ModelEvent] = []
+        self._now = 0.0
+        # current forward op
+        self._op = 0
+        self._op_end = 0.0
+        self._prefill_items: list[tuple[_Req, int]] = []
+        self._seg_batch: list[_Req] = []
+        self._seg_start = 0.0
+        self._seg_dt = 0.0
+        self._seg_steps = 0
+        # gauges and counters (names follow SGLang's /metrics)
+        self.cache_hit_rate = 0.0
+        self.gen_throughput = 0.0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_requests_total = 0
+        self.cached_tokens_device_total = 0
+        self.cached_tokens_host_total = 0
+        self.load_back_tokens_total = 0
+        self.num_retracted_reqs_total = 0
+
+    # ---- public API ----------------------------------------------------------------------------
+    def submit(self, req: SimRequest, now: float) -> None:
+        self._run_until(now, inclusive=False)
+        p = self.profile
+        if req.rid in self._reqs:
+            raise ValueError(f"duplicate rid {req.rid!r}")
+        if req.prompt_len < 1 or req.output_len < 1:
+            raise ValueError("prompt_len and output_len must be >= 1")
+        if req.prompt_len + min(req.output_len, p.clip_max_new_tokens) >= p.max_total_num_tokens:
+            raise ValueError(f"request {req.rid!r} can never fit in {p.max_total_num_tokens} KV tokens")
+        r = _Req(req, self._now)
+        self._reqs[req.rid] = r
+        self._waiting.append(r)
+        if not self._op:
+            # Schedule at `now`, but only once every request submitted at `now` is in the queue:
+            # SGLang receives simultaneous requests together and batches their prefill.
+            self._op, self._op_end = _OP_WAKE, self._now
+        elif self._op == _OP_DECODE and len(self._active) < p.max_running_requests:
+            self._cut_segment(self._now)
+
+    def abort(self, rid: str, now: float) -> bool:
+        self._run_until(now, inclusive=False)
+        r = self._reqs.get(rid)
+        if r is None:
+            return False
+        if r.state == _WAITING:
+            self._waiting.remove(r)
+        else:
+            if r is self._chunked:
+                self._chunked = None
+            was_decoding = r.state == _DECODE
+            self._release(r)
+            if was_decoding:
+                self._decoding.remove(r)
+            if self._op == _OP_DECODE:
+                self._cut_segment(self._now)  # the batch shrinks from the next step
+        r.state = _DONE
+        del self._reqs[rid]
+        self.num_aborted_requests_total += 1
+        return True
+
+    def next_event_time(self) -> float | None:
+        return self._op_end if self._op else None
+
+    def advance(self, now: float) -> list[ModelEvent]:
+        self._run_until(now)
+        events, self._pending = self._pending, []
+        return events
+
+    def progress(self, rid: str, now: float) -> int:
+        r = self._reqs.get(rid)
+        if r is None:
+            return self._done.get(rid, 0)
+        if r.state == _DECODE and self._op == _OP_DECODE:
+            k = math.floor((now - self._seg_start) / self._seg_dt + 1e-9)
+            k = min(max(k, 0), self._seg_steps)
+            return min(r.sim.output_len, timing.tokens_after_steps(self.profile, r.base, r.dsteps + k))
+        return r.gen
+
+    def flush_cache(self) -> bool:
+        if self._reqs:
+            return False
+        self.cache.flush()
+        return True
+
+    def load(self, now: float) -> ReplicaLoad:
+        """Gauges as of the last processed event (call advance(now) first)."""
+        p = self.profile
+        ps = self._ps
+        available = self._free_pages() * ps
+        evictable = self.cache.evictable_tokens
+        used = p.max_total_num_tokens - available - evictable  # SGLang _get_token_info
+        return ReplicaLoad(
+            num_running_reqs=len(self._active),
+            num_queue_reqs=len(self._waiting),
+            num_used_tokens=used,
+            max_total_num_tokens=p.max_total_num_tokens,
+            token_usage=used / p.max_total_num_tokens,
+            cache_hit_rate=self.cache_hit_rate,
+            gen_throughput=self.gen_throughput if self._active else 0.0,
+            kv_available_tokens=available,
+            kv_evictable_tokens=evictable,
+            host_used_tokens=self.cache.host_tokens,
+            host_total_tokens=p.host_total_num_tokens,
+            spec_accept_length=p.spec_accept_length,
+        )
+
+    @property
+    def evicted_tokens_total(self) -> int:
+        return self.cache.evicted_pages_total * self._ps
+
+    @property
+    def cached_tokens_total(self) -> int:
+        return self.cached_tokens_device_total + self.cached_tokens_host_total
+
+    # ---- event loop ----------------------------------------------------------------------------
+    def _run_until(self, now: float, inclusive: bool = True) -> None:
+        """Process ops ending before `now` (and at `now` if inclusive: submit/abort are not, so
+        that a request arriving exactly at a step boundary is seen by that boundary's scheduling)."""
+        now = max(now, self._now)
+        while self._op and (self._op_end < now or (inclusive and self._op_end == now)):
+            end = self._op_end
+            if self._op == _OP_PREFILL:
+                self._complete_prefill(end)
+            elif self._op == _OP_DECODE:
+                self._complete_segment(end)
+            self._schedule(end)
+        self._now = now
+
+    def _schedule(self, t: float) -> None:
+        self._op = 0
+        if self._start_prefill(t):
+            return
+        if self._decoding:
+            self._start_segment(t)
+
+    # ---- memory --------------------------------------------------------------------------------
+    def _free_pages(self) -> int:
+        return self._cap_pages - self.cache.dev_pages - self._own_pages
+
+    def _ensure_room(self, n_pages: int, protect: Sequence[int] = ()) -> None:
+        deficit = n_pages - self._free_pages()
+        if deficit > 0:
+            self.cache.evict(deficit * self._ps, protect)
+
+    def _grow(self, r: _Req, kv_tokens: int) -> None:
+        delta = -(-kv_tokens // self._ps) - r.tree_pages - r.own_pages
+        if delta > 0:
+            self._ensure_room(delta)
+            r.own_pages += delta
+            self._own_pages += delta
+
+    def _release(self, r: _Req) -> None:
+        """Free a request's slot and private pages and unlock its path (no insert)."""
+        self.cache.unlock(r.sim.page_keys, 0, r.tree_pages)
+        self._own_pages -= r.own_pages
+        r.tree_pages = r.own_pages = 0
+        del self._active[r.sim.rid]
+
+    def _reserved_tokens(self) -> float:
+        p = self.profile
+        clip, ratio = p.clip_max_new_tokens, p.new_token_ratio
+        return sum(
+            (r.ctx - r.filled) + min(r.sim.output_len - r.gen, clip) * ratio
+            for r in self._active.values()
+        )
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _start_prefill(self, t: float) -> bool:
+        p = self.profile
+        ps = self._ps
+        cache = self.cache
+        budget = p.chunked_prefill_size
+        items: list[tuple[_Req, int]] = []
+        r = self._chunked
+        if r is not None:
+            n = r.ctx - r.filled
+            if n > budget:
+                n = budget // ps * ps
+            else:
+                self._chunked = None
+            items.append((r, n))
+            budget -= n
+        hits = new = load_tokens = 0
+        while (
+            self._waiting
+            and self._chunked is None
+            and budget >= ps
+            and len(self._active) < p.max_running_requests
+        ):
+            r = self._waiting[0]
+            keys = r.sim.page_keys
+            dev, host = cache.match(keys, min(len(keys), (r.ctx - 1) // ps), t)
+            cache.lock(keys, 0, dev)
+            matched = (dev + host) * ps
+            extend = r.ctx - matched
+            room = (self._free_pages() + cache.dev_pages - cache.locked_pages) * ps
+            need = extend + host * ps + min(r.sim.output_len - r.gen, p.clip_max_new_tokens)
+            if need >= room - self._reserved_tokens():
+                cache.unlock(keys, 0, dev)
+                break
+            if extend > budget:
+                n = budget // ps * ps
+                self._chunked = r
+            else:
+                n = extend
+            self._waiting.popleft()
+            if host:  # HiCache load-back: host pages come back to the device before the forward
+                self._ensure_room(host, keys[dev : dev + host])
+                cache.insert(keys, dev, dev + host, t, lock=True, token_ids=r.sim.token_ids)
+                load_tokens += host * ps
+            r.state = _PREFILL
+            r.tree_pages = dev + host
+            r.own_pages = 0
+            r.filled = matched
+            self._active[r.sim.rid] = r
+            if r.admitted is None:
+                r.admitted = t
+                r.cached_dev, r.cached_host = dev * ps, host * ps
+            hits += matched
+            new += extend
+            items.append((r, n))
+            budget -= n
+        if not items:
+            return False
+        if hits + new:
+            self.cache_hit_rate = hits / (hits + new)
+        self.load_back_tokens_total += load_tokens
+        seconds = p.t_prefill_overhead + timing.load_back_time(p, load_tokens)
+        for r, n in items:
+            self._grow(r, r.filled + n)
+            seconds += timing.prefill_compute_time(p, n, r.filled)
+        self._prefill_items = items
+        self._op = _OP_PREFILL
+        self._op_end = t + seconds
+        return True
+
+    def _complete_prefill(self, t: float) -> None:
+        ps = self._ps
+        for r, n in self._prefill_items:
+            if r.state != _PREFILL:
+                continue  # aborted meanwhile
+            r.filled += n
+            keys = r.sim.page_keys
+            full = min(r.filled // ps, len(keys))
+            if full > r.tree_pages:  # cache_unfinished_req: insert and keep locked
+                self.cache.insert(keys, r.tree_pages, full, t, lock=True, token_ids=r.sim.token_ids)
+                moved = full - r.tree_pages
+                r.own_pages -= moved
+                self._own_pages -= moved
+                r.tree_pages = full
+            if r.filled < r.ctx:
+                continue
+            r.gen += 1  # the prefill forward samples one token
+            if not r.first_sent:
+                r.first_sent = True
+                admitted = r.admitted if r.admitted is not None else t
+                self._pending.append(
+                    FirstToken(
+                        r.sim.rid, t, r.cached_dev + r.cached_host, r.cached_dev, r.cached_host,
+                        admitted - r.arrival, t - r.arrival,
+                    )
+                )
+            if r.gen >= r.sim.output_len:
+                self._finish(r, t)
+            else:
+                r.state = _DECODE
+                r.base, r.dsteps = r.gen, 0
+                r.need = timing.steps_to_reach(self.profile, r.gen, r.sim.output_len)
+                self._decoding.append(r)
+        self._prefill_items = []
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _start_segment(self, t: float) -> None:
+        p = self.profile
+        ps = self._ps
+        while True:
+            batch = self._decoding
+            b = len(batch)
+            room = (self._free_pages() + self.cache.dev_pages - self.cache.locked_pages - b) * ps
+            kv_steps = math.floor(room / (b * p.spec_accept_length))
+            if kv_steps >= 1 or b == 1:
+                break  # (a lone request over capacity overcommits: SGLang would fail it)
+            self._retract(min(batch, key=lambda r: (r.gen, -r.sim.prompt_len)))
+        steps = min(min(r.need - r.dsteps for r in batch), MAX_SEGMENT_STEPS)
+        steps = max(1, min(steps, kv_steps))
+        context = sum(r.sim.prompt_len + r.gen for r in batch) / b
+        self._seg_batch = list(batch)
+        self._seg_start = t
+        self._seg_dt = timing.decode_step_time(p, b, context)
+        self._seg_steps = steps
+        self._op = _OP_DECODE
+        self._op_end = t + steps * self._seg_dt
+        self.gen_throughput = b * p.spec_accept_length / self._seg_dt
+
+    def _cut_segment(self, now: float) -> None:
+        k = math.ceil((now - self._seg_start) / self._seg_dt - 1e-9)
+        k = min(max(k, 0), self._seg_steps)
+        if k < self._seg_steps:
+            self._seg_steps = k
+            self._op_end = self._seg_start + k * self._seg_dt
+
+    def _complete_segment(self, t: float) -> None:
+        p = self.profile
+        k = self._seg_steps
+        finished = []
+        for r in self._seg_batch:
+            if r.state != _DECODE:
+                continue
+            r.dsteps += k
+            r.gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps))
+            self._grow(r, r.sim.prompt_len + r.gen)
+            if r.dsteps >= r.need:
+                finished.append(r)
+        for r in finished:
+            self._finish(r, t)
+        if finished:
+            self._decoding = [r for r in self._decoding if r.state == _DECODE]
+        self._seg_batch = []
+
+    def _retract(self, r: _Req) -> None:
+        self._release(r)
+        self._decoding.remove(r)
+        r.state = _WAITING
+        r.ctx = r.sim.prompt_len + r.gen  # re-prefill prompt + output so far
+        r.filled = 0
+        self._waiting.appendleft(r)
+        self.num_retracted_reqs_total += 1
+
+    def _finish(self, r: _Req, t: float) -> None:
+        sim = r.sim
+        keys = sim.page_keys
+        n_insert = min(len(keys), (sim.prompt_len + sim.output_len - 1) // self._ps)
+        if n_insert > r.tree_pages:  # cache_finished_req: output pages join the tree, unlocked
+            self.cache.insert(keys, r.tree_pages, n_insert, t, token_ids=sim.token_ids)
+        self._release(r)
+        r.state = _DONE
+        del self._reqs[sim.rid]
+        self._done[sim.rid] = sim.output_len
+        if len(self._done) > 4096:
+            self._done.popitem(last=False)
+        self.prompt_tokens_total += sim.prompt_len
+        self.generation_tokens_total += sim.output_len
+        self.num_requests_total += 1
+        self.cached_tokens_device_total += r.cached_dev
+        self.cached_tokens_host_total += r.cached_host
+        self._pending.append(
+            Finished(sim.rid, t, sim.prompt_len, sim.output_len, r.cached_dev + r.cached_host)
+        )

@@ -1,0 +1,445 @@
+import random
+import time
+
+import pytest
+
+from kvrouter.loadtest import timing
+from kvrouter.loadtest.profiles import list_profiles, load_profile
+from kvrouter.loadtest.radix_cache import DEVICE, page_keys
+from kvrouter.loadtest.replica_model import Finished, FirstToken, ReplicaModel, SimRequest
+
+TINY = load_profile("tiny")
+PS = TINY.page_size
+
+
+def tokens(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 17) for _ in range(n)]
+
+
+def request(rid, prompt, out, ns="m", seed=None):
+    """prompt + deterministic output tokens, keyed as a driver would."""
+    full = list(prompt) + tokens(seed if seed is not None else hash(rid) & 0xFFFF, out)
+    return SimRequest(rid, len(prompt), out, page_keys(full, PS, ns), full), full
+
+
+def drain(model, until=None):
+    events = []
+    while (t := model.next_event_time()) is not None and (until is None or t <= until):
+        events += model.advance(t)
+    if until is not None:
+        events += model.advance(until)
+    return events
+
+
+def by_rid(events, kind):
+    return {e.rid: e for e in events if isinstance(e, kind)}
+
+
+def free_pages(model):
+    return model._free_pages()
+
+
+# ---- caching across turns ------------------------------------------------------------------------
+def test_turn_two_hits_turn_one_prompt_and_output_in_whole_pages():
+    model = ReplicaModel(TINY)
+    prompt1 = tokens(1, 1000)
+    r1, full1 = request("t1", prompt1, 77)
+    model.submit(r1, 0.0)
+    ev = drain(model)
+    assert by_rid(ev, FirstToken)["t1"].cached_tokens == 0  # fresh model
+    prompt2 = full1 + tokens(2, 300)
+    r2, _ = request("t2", prompt2, 50)
+    model.submit(r2, ev[-1].time + 1.0)
+    ev2 = drain(model)
+    expected = (1000 + 77 - 1) // PS * PS  # the last sampled token has no KV yet
+    assert expected == (1000 + 77) // PS * PS  # (sizes chosen so both readings agree)
+    assert by_rid(ev2, FirstToken)["t2"].cached_tokens == expected
+    assert by_rid(ev2, Finished)["t2"].cached_tokens == expected
+    assert model.cached_tokens_device_total == expected and model.cached_tokens_host_total == 0
+
+
+def test_match_is_capped_at_prompt_minus_one():
+    model = ReplicaModel(TINY)
+    prompt = tokens(3, 64)  # exactly 4 pages
+    r, _ = request("a", prompt, 5)
+    model.submit(r, 0.0)
+    t = drain(model)[-1].time
+    same, _ = request("b", prompt, 5, seed=9)
+    model.submit(same, t)
+    assert by_rid(drain(model), FirstToken)["b"].cached_tokens == 48  # (64 - 1) // 16 pages
+
+
+def test_namespaces_never_share():
+    model = ReplicaModel(TINY)
+    prompt = tokens(4, 500)
+    model.submit(request("a", prompt, 10, ns="model|salt=a")[0], 0.0)
+    t = drain(model)[-1].time
+    model.submit(request("b", prompt, 10, ns="model|salt=b")[0], t)
+    model.submit(request("c", prompt, 10, ns="model|salt=a")[0], t)
+    first = by_rid(drain(model), FirstToken)
+    assert first["b"].cached_tokens == 0
+    assert first["c"].cached_tokens == 496
+
+
+# ---- eviction ------------------------------------------------------------------------------------
+def test_filling_past_capacity_evicts_lru_unlocked_prefixes_only():
+    model = ReplicaModel(TINY)  # 20,480 tokens
+    t = 0.0
+    keys = {}
+    for i, rid in enumerate("abc"):
+        r, _ = request(rid, tokens(10 + i, 6000), 16)
+        keys[rid] = r.page_keys
+        model.submit(r, t)
+        t = drain(model)[-1].time + 1.0
+    assert model.evicted_tokens_total == 0
+    # a long-running request holds its pages while others push the cache past capacity
+    runner, _ = request("run", tokens(20, 2000), 400)
+    model.submit(runner, t)
+    drain(model, until=t + 0.05)
+    assert model.load(t).num_running_reqs == 1
+    model.submit(request("d", tokens(21, 6000), 16)[0], t + 0.05)
+    model.submit(request("e", tokens(22, 6000), 16)[0], t + 0.05)
+    events = drain(model)
+    assert model.evicted_tokens_total > 0
+    # a (oldest) went first, c (newest idle) survived longer than a and b
+    assert keys["a"][-2] not in model.cache
+    assert keys["c"][0] in model.cache
+    fin = by_rid(events, Finished)
+    assert fin["run"].completion_tokens == 400
+    # the runner's whole prompt was never evicted while it ran: turn 2 hits it in full
+    assert all(k in model.cache for k in runner.page_keys[: 2000 // PS])
+
+
+def test_running_requests_pages_survive_eviction_pressure():
+    model = ReplicaModel(TINY)
+    runner, _ = request("run", tokens(30, 4000), 600)
+    model.submit(runner, 0.0)
+    drain(model, until=0.2)
+    held = runner.page_keys[: 4000 // PS]
+    t = 0.2
+    for i in range(8):  # 8 x 5,000 tokens through a 20k cache
+        model.submit(request(f"x{i}", tokens(40 + i, 5000), 8)[0], t)
+        t += 0.1
+        drain(model, until=t)
+        if "run" in model._reqs:
+            assert all(k in model.cache for k in held)
+    assert model.evicted_tokens_total > 0
+    drain(model)
+
+
+# ---- gauges --------------------------------------------------------------------------------------
+def test_token_usage_ignores_idle_cached_prefixes():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(50, 3000), 20)[0], 0.0)
+    t = drain(model)[-1].time
+    idle = model.load(t)
+    assert idle.kv_evictable_tokens == (3000 + 20 - 1) // PS * PS
+    assert idle.num_used_tokens == 0 and idle.token_usage == 0.0
+    model.submit(request("b", tokens(51, 2000), 300)[0], t)
+    drain(model, until=t + 0.1)
+    busy = model.load(t + 0.1)
+    used = busy.max_total_num_tokens - busy.kv_available_tokens - busy.kv_evictable_tokens
+    assert busy.num_used_tokens == used > 0
+    assert busy.token_usage == pytest.approx(used / busy.max_total_num_tokens)
+    assert used == model.cache.locked_tokens + model._own_pages * PS
+    assert busy.num_running_reqs == 1 and busy.gen_throughput > 0
+
+
+# ---- timing --------------------------------------------------------------------------------------
+def test_lone_cold_prefill_matches_chunked_timing():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(60, 5000), 3)[0], 0.0)  # 5 chunks of 1,024
+    ttft = by_rid(drain(model), FirstToken)["a"].ttft
+    assert ttft == pytest.approx(timing.chunked_prefill_time(TINY, 5000, 0))
+
+
+def test_ttft_grows_with_uncached_tokens():
+    ttfts = []
+    for n_new in (100, 1000, 4000):
+        model = ReplicaModel(TINY)
+        base, _ = request("warm", tokens(70, 4000), 16)
+        model.submit(base, 0.0)
+        t = drain(model)[-1].time
+        model.submit(request("q", tokens(70, 4000) + tokens(71, n_new), 16)[0], t)
+        ttfts.append(by_rid(drain(model), FirstToken)["q"].ttft)
+    assert ttfts[0] < ttfts[1] < ttfts[2]
+
+
+def test_ttft_grows_with_queue_length():
+    model = ReplicaModel(TINY)
+    for i in range(6):
+        model.submit(request(f"q{i}", tokens(80 + i, 1500), 20)[0], 0.0)
+    first = by_rid(drain(model), FirstToken)
+    ttft = [first[f"q{i}"].ttft for i in range(6)]
+    assert ttft == sorted(ttft) and ttft[-1] > 3 * ttft[0]
+    assert first["q5"].queue_time > first["q0"].queue_time
+
+
+def test_decode_speed_per_request_falls_as_batch_grows():
+    rates = {}
+    for batch in (1, 4, 8):
+        model = ReplicaModel(TINY)
+        for i in range(batch):
+            model.submit(request(f"r{i}", tokens(90 + i, 100), 301)[0], 0.0)
+        events = drain(model)
+        first, fin = by_rid(events, FirstToken), by_rid(events, Finished)
+        rates[batch] = 300 / (fin["r0"].time - first[f"r{batch - 1}"].time)
+    assert rates[1] > rates[4] > rates[8]
+    assert timing.decode_tokens_per_s_per_user(TINY, 1, 100) == pytest.approx(rates[1], rel=0.05)
+
+
+def test_progress_streams_whole_steps_up_to_output_len():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(95, 200), 101)[0], 0.0)
+    seen, t = [], 0.0
+    while model.next_event_time() is not None:
+        t += 0.003
+        model.advance(t)
+        seen.append(model.progress("a", t))
+    assert seen == sorted(seen) and seen[-1] == 101
+    assert seen[0] == 0 and 1 in seen  # the prefill's token before any decode step
+    assert all(b - a <= 3 for a, b in zip(seen, seen[1:]) if a)  # accept 2.5: 2 or 3 per step
+
+
+# ---- HiCache -------------------------------------------------------------------------------------
+def test_host_hits_are_counted_as_host_and_cheaper_than_recompute():
+    hicache = TINY.model_copy(update={"host_total_num_tokens": 40960})
+    ttft = {}
+    for profile in (TINY, hicache):
+        model = ReplicaModel(profile)
+        s1, full = request("s1", tokens(100, 6000), 40)
+        model.submit(s1, 0.0)
+        t = drain(model)[-1].time
+        for i in range(6):  # push s1 out of the device
+            model.submit(request(f"f{i}", tokens(110 + i, 5000), 8)[0], t)
+            t = drain(model)[-1].time
+        assert model.cache.tier_of(s1.page_keys[0]) != DEVICE
+        model.submit(request("s2", full + tokens(101, 200), 20)[0], t)
+        first = by_rid(drain(model), FirstToken)["s2"]
+        model.cache.check_invariants()
+        ttft[profile is hicache] = first.ttft
+        if profile is hicache:
+            assert first.cached_host > 0 and first.cached_tokens == first.cached_device + first.cached_host
+            assert model.cached_tokens_host_total == first.cached_host
+            assert model.load_back_tokens_total == first.cached_host
+            assert model.load(t).host_total_tokens == 40960
+        else:
+            assert first.cached_host == 0
+    assert ttft[True] < ttft[False] / 3
+
+
+# ---- abort / flush -------------------------------------------------------------------------------
+def test_abort_frees_the_slot_and_unlocks_pages():
+    model = ReplicaModel(TINY)  # 8 slots
+    for i in range(9):
+        model.submit(request(f"r{i}", tokens(120 + i, 300), 2000)[0], 0.0)
+    drain(model, until=0.5)
+    load = model.load(0.5)
+    assert (load.num_running_reqs, load.num_queue_reqs) == (8, 1)
+    assert model.abort("r0", 0.5)
+    assert not model.abort("r0", 0.5)
+    events = drain(model, until=1.0)
+    assert "r8" in by_rid(events, FirstToken)
+    assert "r0" not in by_rid(drain(model, until=1.0), Finished)
+    for i in range(1, 9):
+        model.abort(f"r{i}", 1.0)
+    assert model.cache.locked_tokens == 0 and model._own_pages == 0
+    assert model.load(1.0).num_running_reqs == 0
+    assert drain(model) == [] and model.next_event_time() is None  # the step in flight ends
+    assert model.num_aborted_requests_total == 9
+    assert model.cache.match(request("x", tokens(121, 300), 1)[0].page_keys, 18, 1.0)[0] == 18
+
+
+def test_abort_while_prefilling_and_waiting():
+    model = ReplicaModel(TINY)
+    model.submit(request("long", tokens(130, 8000), 10)[0], 0.0)
+    model.submit(request("wait", tokens(131, 100), 10)[0], 0.0)
+    drain(model, until=0.01)
+    assert model.abort("wait", 0.01) and model.abort("long", 0.01)
+    assert drain(model) == []
+    assert model.cache.locked_tokens == 0 and model._own_pages == 0
+    assert model.flush_cache() and len(model.cache) == 0
+
+
+def test_flush_cache_refused_while_running():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(140, 500), 50)[0], 0.0)
+    assert not model.flush_cache()
+    drain(model)
+    assert len(model.cache) > 0 and model.flush_cache() and len(model.cache) == 0
+
+
+# ---- analytic decode vs a step-by-step reference ----------------------------------------------
+def reference_finish_times(profile, prompts, outputs):
+    """All requests admitted in one prefill batch at t=0, then decoded one step at a time."""
+    t = profile.t_prefill_overhead + sum(
+        timing.prefill_compute_time(profile, n, 0) for n in prompts
+    )
+    gen = [1] * len(prompts)
+    steps = [0] * len(prompts)
+    done = {}
+    live = [i for i in range(len(prompts)) if outputs[i] > 1]
+    for i in range(len(prompts)):
+        if outputs[i] == 1:
+            done[i] = t
+    while live:
+        ctx = sum(prompts[i] + gen[i] for i in live) / len(live)
+        t += timing.decode_step_time(profile, len(live), ctx)
+        for i in live:
+            steps[i] += 1
+            gen[i] = min(outputs[i], timing.tokens_after_steps(profile, 1, steps[i]))
+            if gen[i] >= outputs[i]:
+                done[i] = t
+        live = [i for i in live if i not in done]
+    return done
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi-k2.6-b200-tp4"])
+def test_analytic_segments_match_step_by_step_reference(name):
+    profile = load_profile(name)
+    prompts = [120, 300, 90, 250, 200]  # one prefill batch (<= 1,024 tokens on tiny)
+    outputs = [1, 37, 180, 400, 611]
+    model = ReplicaModel(profile)
+    for i, (n, out) in enumerate(zip(prompts, outputs)):
+        full = tokens(200 + i, n + out)
+        model.submit(SimRequest(f"r{i}", n, out, page_keys(full, profile.page_size, "m")), 0.0)
+    fin = by_rid(drain(model), Finished)
+    ref = reference_finish_times(profile, prompts, outputs)
+    for i in range(len(prompts)):
+        step = timing.decode_step_time(profile, 1, prompts[i] + outputs[i])
+        assert fin[f"r{i}"].time == pytest.approx(ref[i], abs=step), i
+        assert fin[f"r{i}"].completion_tokens == outputs[i]
+
+
+def test_submit_cuts_a_decode_segment_at_the_next_step_boundary():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(300, 200), 500)[0], 0.0)
+    model.advance(0.0)  # the idle replica starts the prefill
+    t_first = by_rid(model.advance(model.next_event_time()), FirstToken)["a"].time
+    dt = timing.decode_step_time(TINY, 1, 200 + 1)
+    arrive = t_first + 3.5 * dt
+    model.submit(request("b", tokens(301, 50), 5)[0], arrive)
+    first_b = by_rid(drain(model, until=arrive + 1.0), FirstToken)["b"]
+    boundary = t_first + 4 * dt
+    assert first_b.queue_time == pytest.approx(boundary - arrive, abs=1e-9)
+    assert first_b.time == pytest.approx(
+        boundary + TINY.t_prefill_overhead + timing.prefill_compute_time(TINY, 50, 0), abs=1e-9
+    )
+
+
+# ---- memory pressure ---------------------------------------------------------------------------
+def test_kv_growth_under_pressure_retracts_but_everything_finishes():
+    small = TINY.model_copy(update={"max_total_num_tokens": 4096})
+    model = ReplicaModel(small)
+    outs = {}
+    for i in range(6):
+        outs[f"r{i}"] = 600 + 37 * i
+        model.submit(request(f"r{i}", tokens(400 + i, 500), outs[f"r{i}"])[0], 0.0)
+    events = []
+    while (t := model.next_event_time()) is not None:
+        events += model.advance(t)
+        assert free_pages(model) >= 0
+        model.cache.check_invariants()
+    fin = by_rid(events, Finished)
+    assert {rid: e.completion_tokens for rid, e in fin.items()} == outs
+    assert len(by_rid(events, FirstToken)) == 6  # one first token each, even if retracted
+    assert model.cache.locked_tokens == 0 and model._own_pages == 0
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    model = ReplicaModel(TINY)
+    with pytest.raises(ValueError):
+        model.submit(SimRequest("huge", 20_000, 1000, []), 0.0)
+
+
+# ---- kv events -----------------------------------------------------------------------------------
+def test_kv_sink_sees_stored_and_removed_pages():
+    class Sink:
+        def __init__(self):
+            self.stored_keys, self.removed_keys, self.media = set(), set(), set()
+
+        def stored(self, pages, medium):
+            self.media.add(medium)
+            self.stored_keys.update(k for k, _, _ in pages)
+
+        def removed(self, keys, medium):
+            self.removed_keys.update(keys)
+
+        def cleared(self):
+            self.stored_keys.clear()
+
+    sink = Sink()
+    model = ReplicaModel(TINY, kv_sink=sink)
+    t = 0.0
+    for i in range(5):
+        model.submit(request(f"r{i}", tokens(500 + i, 6000), 10)[0], t)
+        t = drain(model)[-1].time
+    assert sink.media == {"GPU"}
+    assert sink.removed_keys and sink.removed_keys <= sink.stored_keys
+    live = sink.stored_keys - sink.removed_keys
+    assert len(live) == len(model.cache)
+
+
+# ---- profiles ------------------------------------------------------------------------------------
+def test_every_profile_loads_and_kimi_is_calibrated():
+    for name in list_profiles():
+        assert load_profile(name).name == name
+    p = load_profile()
+    cold = timing.chunked_prefill_time(p, 100_000, 0)
+    warm = timing.chunked_prefill_time(p, 2_000, 98_000)
+    assert 2.0 < cold < 8.0 and 0.1 <= warm <= 0.2
+    assert 100 <= timing.decode_tokens_per_s_per_user(p, 1, 100_000) <= 200
+    assert load_profile("kimi-k2.6-b200-tp4-hicache").host_total_num_tokens == 2 * p.max_total_num_tokens
+
+
+# ---- micro-benchmark (reports, never asserts timings) --------------------------------------------
+def test_benchmark_many_sessions_reports_events_per_second():
+    model = ReplicaModel(TINY)
+    rng = random.Random(0)
+    sessions = {s: tokens(1000 + s, 800) for s in range(12)}
+    t, n_req, n_events = 0.0, 0, 0
+    t0 = time.perf_counter()
+    for turn in range(20):
+        for s, hist in sessions.items():
+            out = rng.randint(20, 200)
+            req, full = request(f"s{s}t{turn}", hist, out)
+            model.submit(req, t)
+            sessions[s] = full + tokens(rng.random(), 100)
+            n_req += 1
+            t += 0.01
+            n_events += len(model.advance(t))
+        while model.next_event_time() is not None:
+            n_events += len(model.advance(model.next_event_time()))
+    wall = time.perf_counter() - t0
+    assert n_events == 2 * n_req
+    print(f"\n{n_req} requests, {n_events} events in {wall * 1e3:.0f} ms wall ({t:.1f} s model time)")
+
+
+def test_random_churn_keeps_the_books_balanced():
+    """Sessions, aborts and HiCache under pressure: every request ends exactly once, no leaks."""
+    profile = TINY.model_copy(update={"max_total_num_tokens": 6144, "host_total_num_tokens": 4096})
+    model = ReplicaModel(profile)
+    rng = random.Random(5)
+    history = {s: tokens(600 + s, rng.randint(100, 1500)) for s in range(10)}
+    t, submitted, aborted, events = 0.0, 0, set(), []
+    for i in range(150):
+        t += rng.expovariate(20.0)
+        events += model.advance(t)
+        s = rng.randrange(10)
+        req, full = request(f"q{i}", history[s], rng.randint(1, 300))
+        model.submit(req, t)
+        submitted += 1
+        history[s] = (full + tokens(rng.random(), rng.randint(10, 300)))[-2500:]
+        if rng.random() < 0.15:
+            victim = f"q{rng.randrange(i + 1)}"
+            if model.abort(victim, t):
+                aborted.add(victim)
+        model.cache.check_invariants()
+        assert free_pages(model) >= 0
+    events += drain(model)
+    finished = by_rid(events, Finished)
+    assert len(finished) + len(aborted) == submitted and not set(finished) & aborted
+    assert model.cache.locked_tokens == 0 and model._own_pages == 0
+    assert model.num_requests_total == len(finished)
+    assert model.cached_tokens_host_total > 0 and model.evicted_tokens_total > 0
