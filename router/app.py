@@ -103,6 +103,26 @@ class Router:
         self.metrics.forget_replica(url)
         return True
 
+    def reload(self, config: RouterConfig) -> list[str]:
+        """Apply a new config without dropping requests: the policy is swapped between two
+        decisions and replicas are added (fresh) or removed (in-flight requests finish).
+        Server, upstream and store settings need a restart. Returns what changed."""
+        changes = []
+        if config.policy != self.config.policy:
+            self.policy = build_policy(config.policy.name, config.policy.params)
+            self.engine.policy = self.policy
+            changes.append(f"policy -> {config.policy.name}")
+        for url in config.replicas:
+            if self.add_replica(url):
+                changes.append(f"+{url}")
+        for url in set(self.config.replicas) - set(config.replicas):
+            if self.remove_replica(url):
+                changes.append(f"-{url}")
+        self.config = self.config.model_copy(
+            update={"policy": config.policy, "replicas": config.replicas}
+        )
+        return changes
+
     async def housekeeping(self) -> None:
         """Once a second: forget idle sessions, settle fresh replicas, export load balance;
         every rebalance interval, move a few idle sessions onto fresh replicas."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 
 from .app import Router
-from .config import RouterConfig
+from .config import ConfigError, RouterConfig
 
 log = logging.getLogger("kvrouter")
 
@@ -34,7 +35,18 @@ async def start_site(router: Router, host: str, port: int) -> tuple[web.AppRunne
     return runner, runner.addresses[0][1]
 
 
-async def serve(config: RouterConfig) -> None:
+def reload_from(router: Router, reader: Callable[[], RouterConfig]) -> None:
+    """SIGHUP: re-read the config; an invalid one is logged and the old one kept."""
+    try:
+        config = reader()
+    except ConfigError as err:
+        log.error("reload refused, keeping the running config: %s", err)
+        return
+    changes = router.reload(config)
+    log.info("config reloaded: %s", ", ".join(changes) or "no routing change")
+
+
+async def serve(config: RouterConfig, reader: Callable[[], RouterConfig] | None = None) -> None:
     router = Router(config)
     runner, port = await start_site(router, config.server.host, config.server.port)
     log.info(
@@ -45,11 +57,13 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reader is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_from, router, reader)
     await stop.wait()
     log.info("shutting down")
     await runner.cleanup()
 
 
-def run(config: RouterConfig) -> None:
+def run(config: RouterConfig, reader: Callable[[], RouterConfig] | None = None) -> None:
     install_uvloop()
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, reader))
