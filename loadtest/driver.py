@@ -1,0 +1,414 @@
+"""Closed-loop HTTP load driver for any OpenAI-compatible endpoint (router or replica).
+
+Each session (see :mod:`kvrouter.loadtest.workload`) runs closed loop: think, send its turn
+(``k`` concurrent requests on a fan-out), wait for every reply, append the server's actual reply
+text to the history, repeat. Sessions come from a fixed number of concurrent ``users`` (each runs
+sessions back to back) or from Poisson arrivals at ``arrival_rate`` sessions per model-second.
+
+Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_options:
+{"include_usage": true}`` and the header ``x-session-id``. Measured per request: TTFT (send ->
+first chunk carrying content), mean inter-token latency, e2e, usage (prompt, completion and
+``prompt_tokens_details.cached_tokens``) and the ``x-kvrouter-replica`` response header if any.
+A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
+(HTTP error, error event, truncated stream, exception, cancellation at the drain timeout) is a
+failure. Every request issued produces exactly one record.
+
+Time scaling: with simulated replicas running ``--time-scale X`` (model time X times faster),
+pass ``time_scale=X``: think times are divided by X and every measured duration is multiplied by
+X, so reports are in model time. ``duration_s`` and ``drain_timeout_s`` are wall seconds.
+
+Bounded: no new turn starts after ``duration_s``; in-flight requests then get
+``drain_timeout_s`` to finish, after which they are cancelled and counted as failed.
+
+While running, each replica's ``/metrics`` is sampled every ``metrics_interval_s`` and
+``num_running_reqs`` feeds the load-imbalance figures (see :mod:`kvrouter.loadtest.report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+import orjson
+
+from kvrouter.loadtest.report import RequestRecord, build_report, summarize_requests
+from kvrouter.loadtest.workload import (
+    Session,
+    TurnRequest,
+    WorkloadConfig,
+    count_tokens,
+    load_workload,
+    make_session,
+)
+from kvrouter.metrics.sglang import parse_metrics_text
+
+__all__ = ["run_load", "StderrProgress", "SESSION_HEADER", "REPLICA_HEADER"]
+
+SESSION_HEADER = "x-session-id"
+REPLICA_HEADER = "x-kvrouter-replica"
+
+ProgressFn = Callable[[str], None]
+
+
+class StderrProgress:
+    """Default progress output: one ``\\r``-rewritten line on a TTY, else a line every ``every`` calls."""
+
+    def __init__(self, stream: TextIO | None = None, every: int = 10) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self._calls = 0
+        self._width = 0
+
+    def __call__(self, line: str) -> None:
+        self._calls += 1
+        if self.tty:
+            self._width = max(self._width, len(line))
+            self.stream.write("\r" + line.ljust(self._width))
+        elif self._calls % self.every == 1 or self.every <= 1:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finish(self, line: str) -> None:
+        self.stream.write(("\r" + line.ljust(self._width) if self.tty else line) + "\n")
+        self.stream.flush()
+
+
+class _Run:
+    """State of one load run; everything the coroutines share lives here."""
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        config: WorkloadConfig,
+        seed: int,
+        time_scale: float,
+        model: str,
+        extra_body: Mapping[str, Any] | None,
+    ) -> None:
+        self.http = http
+        self.url = url
+        self.config = config
+        self.seed = seed
+        self.time_scale = time_scale
+        self.model = model
+        self.extra_body = dict(extra_body or {})
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
+        self.deadline = self.start
+        self.records: list[RequestRecord] = []
+        self.in_flight = 0
+        self.sessions_started = 0
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def new_session(self) -> Session:
+        index = self.sessions_started
+        self.sessions_started += 1
+        return make_session(self.config, self.seed, index)
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def user_loop(self) -> None:
+        while self.now() < self.deadline:
+            await self.run_session(self.new_session())
+
+    async def arrival_loop(self, rate_per_model_s: float) -> None:
+        rng = random.Random(f"{self.seed}:arrivals")
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while self.now() < self.deadline:
+                task = asyncio.create_task(self.run_session(self.new_session()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                gap = rng.expovariate(rate_per_model_s) / self.time_scale
+                if self.now() + gap >= self.deadline:
+                    break
+                await asyncio.sleep(gap)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_session(self, session: Session) -> None:
+        replies: list[str | None] | None = None
+        while True:
+            batch = session.next_requests(replies)
+            if not batch:
+                return
+            think = batch[0].think_time_s / self.time_scale
+            if think > 0:
+                remaining = self.deadline - self.now()
+                if think >= remaining:
+                    await asyncio.sleep(max(0.0, remaining))
+                    return
+                await asyncio.sleep(think)
+            if self.now() >= self.deadline:
+                return
+            replies = list(await asyncio.gather(*(self.one_request(r) for r in batch)))
+
+    # -- one request -----------------------------------------------------------------------
+
+    async def one_request(self, req: TurnRequest) -> str | None:
+        """Send one streamed request; returns the reply text, or None when it failed."""
+        ts = self.time_scale
+        sent = self.now()
+        rec = RequestRecord(
+            session_id=req.session_id,
+            ok=False,
+            start_s=(sent - self.start) * ts,
+            prompt_tokens=req.prompt_tokens,
+            turn_index=req.turn_index,
+            branch_index=req.branch_index,
+            is_edit=req.is_edit,
+        )
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": req.messages,
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra_body,
+        }
+        self.in_flight += 1
+        try:
+            async with self.http.post(
+                self.url,
+                data=orjson.dumps(body),
+                headers={"content-type": "application/json", SESSION_HEADER: req.session_id},
+            ) as resp:
+                rec.replica = resp.headers.get(REPLICA_HEADER)
+                if resp.status != 200:
+                    text = await resp.text(errors="replace")
+                    rec.error = f"HTTP {resp.status}: {text[:200]}"
+                    return None
+                return await self._read_stream(resp, rec, sent)
+        except asyncio.CancelledError:
+            rec.error = "cancelled at drain timeout"
+            raise
+        except Exception as exc:  # connection errors, bad JSON, timeouts: all count as failed
+            rec.error = f"{type(exc).__name__}: {exc}"
+            return None
+        finally:
+            self.in_flight -= 1
+            self.records.append(rec)
+
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, rec: RequestRecord, sent: float
+    ) -> str | None:
+        ts = self.time_scale
+        parts: list[str] = []
+        first_chunk = first_token = last_token = None
+        usage: dict[str, Any] | None = None
+        done = False
+        buf = b""
+        async for data in resp.content.iter_any():
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, event:/id: fields
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                event = orjson.loads(payload)
+                if not isinstance(event, dict):
+                    continue
+                if event.get("error") is not None:
+                    rec.error = f"SSE error: {str(event['error'])[:200]}"
+                    return None
+                now = self.now()
+                for choice in event.get("choices") or ():
+                    if first_chunk is None:
+                        first_chunk = now
+                    delta = choice.get("delta") or {}
+                    content = delta.get("content") or delta.get("reasoning_content")
+                    if content:
+                        if first_token is None:
+                            first_token = now
+                        last_token = now
+                        parts.append(content)
+                if event.get("usage"):
+                    usage = event["usage"]
+        end = self.now()
+        if not done:
+            rec.error = "stream ended before data: [DONE]"
+            return None
+        text = "".join(parts)
+        completion = count_tokens(text)
+        if usage:
+            rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+            completion = int(usage.get("completion_tokens") or completion)
+            details = usage.get("prompt_tokens_details") or {}
+            rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        rec.completion_tokens = completion
+        first = first_token if first_token is not None else first_chunk
+        rec.ttft_s = ((first if first is not None else end) - sent) * ts
+        rec.e2e_s = (end - sent) * ts
+        if first_token is not None and last_token is not None and completion > 1 and last_token > first_token:
+            rec.itl_s = (last_token - first_token) / (completion - 1) * ts
+        rec.ok = True
+        return text
+
+
+def _metrics_url(base: str) -> str:
+    base = base.rstrip("/")
+    return base if base.endswith("/metrics") else base + "/metrics"
+
+
+async def _running_reqs(http: aiohttp.ClientSession, url: str, timeout_s: float) -> float | None:
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+        value = parse_metrics_text(text).num_running_reqs
+        return None if value is None else float(value)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+async def _sample_loads(
+    http: aiohttp.ClientSession,
+    urls: Sequence[str],
+    interval_s: float,
+    stop: asyncio.Event,
+    samples: list[list[float]],
+) -> None:
+    """Append one sample (running requests per replica) every ``interval_s`` until ``stop``."""
+    while not stop.is_set():
+        values = await asyncio.gather(*(_running_reqs(http, u, max(interval_s, 0.2)) for u in urls))
+        if all(v is not None for v in values):
+            samples.append([v for v in values if v is not None])
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _report_progress(run: _Run, progress: ProgressFn, duration_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        progress(_progress_line(run, duration_s))
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _progress_line(run: _Run, duration_s: float) -> str:
+    elapsed = run.now() - run.start
+    frac = min(1.0, elapsed / duration_s) if duration_s > 0 else 1.0
+    bar = "#" * int(frac * 20)
+    ok = sum(1 for r in run.records if r.ok)
+    failed = len(run.records) - ok
+    phase = "drain" if elapsed >= duration_s else "load"
+    return (
+        f"[{bar:<20}] {elapsed:6.1f}/{duration_s:.0f}s {phase} sessions={run.sessions_started} "
+        f"in_flight={run.in_flight} ok={ok} failed={failed}"
+    )
+
+
+async def run_load(
+    target_url: str,
+    workload: WorkloadConfig | str | Path,
+    users: int | None,
+    duration_s: float,
+    seed: int = 0,
+    time_scale: float = 1.0,
+    replica_metrics_urls: Sequence[str] = (),
+    progress: ProgressFn | None = None,
+    *,
+    arrival_rate: float | None = None,
+    replicas: int | None = None,
+    contender: str = "target",
+    model: str = "default",
+    drain_timeout_s: float = 30.0,
+    metrics_interval_s: float = 0.5,
+    extra_body: Mapping[str, Any] | None = None,
+    records_out: list[RequestRecord] | None = None,
+) -> dict[str, Any]:
+    """Drive ``target_url`` for ``duration_s`` wall seconds and return the results contract.
+
+    Exactly one of ``users`` (concurrent closed-loop users) and ``arrival_rate`` (new sessions per
+    model-second, Poisson) must be given. ``replicas`` defaults to the number of metrics URLs (or 1).
+    ``progress`` receives one status line about every second (default: :class:`StderrProgress`).
+    ``extra_body`` is merged into every request body (e.g. ``{"ignore_eos": True}`` for SGLang).
+    ``records_out``, if given, receives every :class:`RequestRecord`.
+    """
+    if (users is None) == (arrival_rate is None):
+        raise ValueError("give exactly one of users and arrival_rate")
+    if users is not None and users < 1:
+        raise ValueError("users must be >= 1")
+    if arrival_rate is not None and arrival_rate <= 0:
+        raise ValueError("arrival_rate must be > 0")
+    if time_scale <= 0 or duration_s <= 0:
+        raise ValueError("time_scale and duration_s must be > 0")
+    config = workload if isinstance(workload, WorkloadConfig) else load_workload(workload)
+    n_replicas = replicas if replicas is not None else max(1, len(replica_metrics_urls))
+    if progress is None:
+        progress = StderrProgress()
+
+    url = target_url.rstrip("/") + "/v1/chat/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
+    samples: list[list[float]] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        run = _Run(http, url, config, seed, time_scale, model, extra_body)
+        run.deadline = run.start + duration_s
+        stop = asyncio.Event()
+        background = [asyncio.create_task(_report_progress(run, progress, duration_s, stop))]
+        if replica_metrics_urls:
+            metrics_urls = [_metrics_url(u) for u in replica_metrics_urls]
+            background.append(
+                asyncio.create_task(_sample_loads(http, metrics_urls, metrics_interval_s, stop, samples))
+            )
+        if users is not None:
+            workers = [asyncio.create_task(run.user_loop()) for _ in range(users)]
+        else:
+            workers = [asyncio.create_task(run.arrival_loop(arrival_rate))]  # type: ignore[arg-type]
+        try:
+            _, pending = await asyncio.wait(workers, timeout=duration_s + drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            outcomes = await asyncio.gather(*workers, return_exceptions=True)
+        finally:
+            for task in workers:
+                task.cancel()
+            stop.set()
+            await asyncio.gather(*background, return_exceptions=True)
+        end = run.now()
+        errors = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, asyncio.CancelledError)]
+        if errors:
+            raise errors[0]
+
+    final = _progress_line(run, duration_s)
+    finish = getattr(progress, "finish", None)
+    if callable(finish):
+        finish(final)
+    else:
+        progress(final)
+    if records_out is not None:
+        records_out.extend(run.records)
+    results = summarize_requests(run.records, n_replicas, (end - run.start) * time_scale, samples)
+    workload_info = {
+        **config.model_dump(mode="json"),
+        "seed": seed,
+        "users": users,
+        "arrival_rate": arrival_rate,
+        "duration_s": duration_s,
+        "time_scale": time_scale,
+        "replicas": n_replicas,
+    }
+    return build_report(workload_info, {contender: results})
