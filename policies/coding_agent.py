@@ -6,7 +6,8 @@ The rules, in order (each decision's `reason` names the rule that made it):
               `prefix_home_min_fraction` of the prompt) as its home.
 2. overflow   If the session already has `session_high_water` requests in flight, or the home is
               above a high-water mark (running, queued, token_usage), this request goes to the
-              cheapest other replica; the home is kept for later turns.
+              cheapest other replica if its expected cost (a cold prefill there) beats the cost at
+              home (queueing behind the session's own requests); the home is kept either way.
 3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
    retry      A retry after the home failed this very request is placed by cost; home kept.
 4. new_session / fresh_replica
@@ -26,8 +27,8 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Decision, ReplicaView, RequestSummary, Snapshot
-from .cost import CostParams, expected_cost
+from .base import Decision, ReplicaView, RequestSummary, SessionView, Snapshot
+from .cost import CostParams, expected_cost, prefill_s
 
 
 class CodingAgentParams(BaseModel):
@@ -42,6 +43,7 @@ class CodingAgentParams(BaseModel):
     tie_tolerance: float = Field(0.05, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(64, ge=2, description="Replicas costed per decision (sampled beyond this).")
+    sibling_new_tokens: int = Field(2000, ge=0, description="New tokens assumed per in-flight sibling request at home (its prefill runs first).")
     cost: CostParams = CostParams()
 
 
@@ -76,9 +78,16 @@ class CodingAgent:
             session_busy = session is not None and session.in_flight >= self.params.session_high_water
             if not session_busy and not self.overloaded(home):
                 return Decision(home.id, "affinity")
-            others = [r for r in candidates if r.id != home.id] or [home]
+            others = [r for r in candidates if r.id != home.id]
+            if not others:
+                return Decision(home.id, "affinity")
             choice, reason = self._cheapest(others, request, rng, "overflow")
-            return Decision(choice.id, reason)
+            # Shed only where it pays: a cold prefill elsewhere must beat queueing at home.
+            home_cost = expected_cost(self.params.cost, home, request, is_home=True)
+            home_cost += self._sibling_wait(session, request)
+            if expected_cost(self.params.cost, choice, request) < home_cost:
+                return Decision(choice.id, reason)
+            return Decision(home.id, "affinity")
 
         keyed = session is not None and session.key is not None
         reason = "new_session"
@@ -95,6 +104,14 @@ class CodingAgent:
                 pool, reason = fresh, "fresh_replica"
         choice, reason = self._cheapest(pool, request, rng, reason)
         return Decision(choice.id, reason, home=choice.id if keyed else None)
+
+    def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
+        """Requests of the same session already at home are prefilled first: each costs about
+        one warm turn (the new tokens on top of the shared history)."""
+        if session is None or session.in_flight <= 0:
+            return 0.0
+        warm = prefill_s(self.params.cost, self.params.sibling_new_tokens, request.prompt_tokens)
+        return session.in_flight * (warm + self.params.cost.decode_s_per_running)
 
     def _prefix_home(self, request: RequestSummary, by_id: dict[str, ReplicaView]) -> str | None:
         if not request.cached_tokens or request.prompt_tokens <= 0:

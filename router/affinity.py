@@ -95,13 +95,7 @@ class MemoryAffinityStore:
         return self.table.view(key)
 
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
-        now = self.clock()
-        entry = self.table.entry(key)
-        keep = entry is not None and entry.home is not None and not force
-        self.table.touch(key, now, home=None if keep else home, tokens=tokens)
-        self.table.acquire(key, now)
-        entry = self.table.entry(key)
-        return entry.home if entry is not None else None
+        return self.table.begin(key, home, force=force, tokens=tokens, now=self.clock())
 
     async def end(self, key: str) -> None:
         self.table.release(key, self.clock())

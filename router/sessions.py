@@ -60,6 +60,15 @@ class SessionTable:
         e.last_seen = now
         return e
 
+    def begin(self, key: str, home: str | None, *, force: bool, tokens: int, now: float) -> str | None:
+        """A request of `key` is dispatched: set its home unless it already has one (or `force`,
+        a rehome), note its context size, count it in flight. Returns the session's home."""
+        entry = self._entries.get(key)
+        keep = entry is not None and entry.home is not None and not force
+        entry = self.touch(key, now, home=None if keep else home, tokens=tokens)
+        entry.in_flight += 1
+        return entry.home
+
     def set_home(self, key: str, home: str, now: float) -> None:
         self.touch(key, now, home=home)
 

@@ -29,9 +29,19 @@ def test_affinity_sends_a_session_home():
 
 
 def test_session_over_high_water_overflows_to_cheapest_other_and_keeps_home():
-    reps = [ReplicaView("a"), ReplicaView("b", in_flight=3), ReplicaView("c", in_flight=0)]
-    d = decide(reps, req(cached={"a": 98_000}), SessionView("s1", home="a", in_flight=2))
+    # 8 branches of a 10k-token session: queueing behind 7 siblings costs more than a cold
+    # 10k prefill elsewhere, so this one is shed to the least-loaded other replica.
+    reps = [ReplicaView("a", in_flight=7), ReplicaView("b", in_flight=3), ReplicaView("c")]
+    d = decide(reps, req(prompt=10_000, cached={"a": 9_000}), SessionView("s1", home="a", in_flight=7))
     assert d.reason == "overflow" and d.replica == "c" and d.home is None
+
+
+def test_over_high_water_stays_home_when_a_cold_prefill_would_cost_more():
+    # 3 branches of a 100k-token session: two warm sibling prefills (~0.2 s each) at home beat
+    # recomputing 100k tokens elsewhere (~5 s), so shedding would only hurt.
+    reps = [ReplicaView("a", in_flight=2), ReplicaView("b"), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 98_000}), SessionView("s1", home="a", in_flight=2))
+    assert (d.replica, d.reason) == ("a", "affinity")
 
 
 @pytest.mark.parametrize("home", [
@@ -40,7 +50,7 @@ def test_session_over_high_water_overflows_to_cheapest_other_and_keeps_home():
     ReplicaView("a", num_running_reqs=3, token_usage=0.97),    # KV high-water
 ])
 def test_overloaded_home_overflows(home):
-    d = decide([home, ReplicaView("b"), ReplicaView("c", in_flight=2)], req(),
+    d = decide([home, ReplicaView("b"), ReplicaView("c", in_flight=2)], req(prompt=4_000),
                SessionView("s1", home="a"))
     assert d.reason == "overflow" and d.replica == "b"
 
