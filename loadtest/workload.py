@@ -377,7 +377,7 @@ class Session:
                     f"got {None if replies is None else len(replies)}"
                 )
             req = self._pending[self._chosen]
-            self._history = list(req.segments) + [self._reply_segment(req, replies[self._chosen])]
+            self._history = list(req.segments) + [self.reply_segment(req, replies[self._chosen])]
             self._pending = []
         elif replies:
             raise ValueError(f"session {self.session_id}: replies given but no requests outstanding")
@@ -391,7 +391,8 @@ class Session:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
+    def reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
+        """The assistant message a reply becomes in the history (also what the KV cache holds)."""
         key = f"{self.session_id}/t{req.turn_index}/b{req.branch_index}/reply"
         if isinstance(reply, str):
             return Segment("assistant", count_tokens(reply), key, _text=reply)

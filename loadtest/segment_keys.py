@@ -1,0 +1,78 @@
+"""Page keys of a session's prompts built from workload segments, without rendering text.
+
+A page covers `page_size` positions of the concatenated segments; its key chains the previous
+page's key with the (segment key, start, end) pieces it covers, so equal segment keys give equal
+pages (the shared system prompt is shared across sessions) and an edited segment changes every
+page from it on. Keys are cached per session and extended turn by turn: a turn that only appends
+hashes its new pages alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from .workload import Segment
+
+
+def _chain(parent: int, pieces: list[tuple[str, int, int]]) -> int:
+    data = parent.to_bytes(8, "big", signed=True) + repr(pieces).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+class SegmentKeyCache:
+    """Per-session page keys; `keys(session, segments)` reuses the common prefix of the last call."""
+
+    def __init__(self, page_size: int, namespace: str = "") -> None:
+        self.page_size = page_size
+        self.root = _chain(0, [(namespace, 0, 0)])
+        self._last: dict[str, tuple[list[str], list[int], list[int]]] = {}
+
+    def forget(self, session: str) -> None:
+        self._last.pop(session, None)
+
+    def keys(self, session: str, segments: Sequence[Segment]) -> list[int]:
+        """Keys of every whole page of `segments` (a prompt, or a prompt and its reply)."""
+        names = [s.key for s in segments]
+        sizes = [s.tokens for s in segments]
+        reuse_pages = 0
+        last = self._last.get(session)
+        if last is not None:
+            old_names, old_sizes, old_keys = last
+            same_tokens = 0
+            for a, b, sa, sb in zip(names, old_names, sizes, old_sizes):
+                if a != b or sa != sb:
+                    break
+                same_tokens += sa
+            reuse_pages = min(same_tokens // self.page_size, len(old_keys))
+            keys = old_keys[:reuse_pages]
+        else:
+            keys = []
+        total = sum(sizes)
+        page = self.page_size
+        parent = keys[-1] if keys else self.root
+        # Walk segments once, emitting each page from `reuse_pages` on.
+        seg, seg_start = 0, 0  # index of the segment holding position `pos`, and where it starts
+        pos = reuse_pages * page
+        while seg < len(segments) and seg_start + sizes[seg] <= pos:
+            seg_start += sizes[seg]
+            seg += 1
+        while pos + page <= total:
+            end = pos + page
+            pieces: list[tuple[str, int, int]] = []
+            s, s_start = seg, seg_start
+            while s < len(segments) and s_start < end:
+                lo, hi = max(pos, s_start), min(end, s_start + sizes[s])
+                if hi > lo:
+                    pieces.append((names[s], lo - s_start, hi - s_start))
+                if s_start + sizes[s] <= end:
+                    s_start += sizes[s]
+                    s += 1
+                else:
+                    break
+            parent = _chain(parent, pieces)
+            keys.append(parent)
+            pos = end
+            seg, seg_start = s, s_start
+        self._last[session] = (names, sizes, keys)
+        return keys
