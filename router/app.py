@@ -60,7 +60,8 @@ class Router:
         )
         self.table._on_change = self.engine.sync_homed
         self.affinity = self._make_affinity_store()
-        self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock)
+        self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock,
+                           replica_header=config.server.replica_header)
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )

@@ -49,6 +49,9 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Request bodies above this get 413."
     )
+    replica_header: bool = Field(
+        False, description="Name the serving replica in an x-kvrouter-replica response header (load tests)."
+    )
 
 
 class UpstreamConfig(_Strict):

@@ -25,6 +25,7 @@ from .headers import REQUEST_ID, end_to_end
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
+REPLICA_HEADER = "x-kvrouter-replica"
 _RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
 _BROKEN_BODY = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
@@ -62,7 +63,9 @@ class Relay:
         metrics: RouterMetrics,
         config: UpstreamConfig,
         clock: Callable[[], float] = time.monotonic,
+        replica_header: bool = False,
     ) -> None:
+        self.replica_header = replica_header
         self.engine = engine
         self.registry = engine.registry
         self.affinity = affinity
@@ -185,6 +188,8 @@ class Relay:
     ) -> web.StreamResponse:
         headers = end_to_end(upstream.headers)
         headers[REQUEST_ID] = request_id
+        if self.replica_header:
+            headers[REPLICA_HEADER] = url
         sse = upstream.content_type == "text/event-stream"
         try:
             length = upstream.content_length
