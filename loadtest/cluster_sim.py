@@ -1,0 +1,400 @@
+"""Deterministic discrete-event cluster simulator: the real policies against the real replica model.
+
+One heap of timed events and a virtual clock; no asyncio, no sleeps, no wall clock. Each replica is
+a `ReplicaModel`; routing goes through the live router's own `RoutingEngine` (same policy objects,
+same shadow KV index, same session table as the in-memory affinity store), fed with replica
+signals polled every `poll_interval_s` as the live router polls `/metrics`. Sessions come from the
+coding-agent workload (closed loop: each turn waits for every request of the previous one plus a
+think time) or from a trace (see loadtest/traces.py).
+
+Event kinds, in order of priority at equal times: scale events, replica wake-ups (the model's next
+internal event), signal polls, housekeeping (fresh settling, rebalancing), load samples, requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics.sglang import ReplicaSignals
+from ..policies.base import RequestSummary
+from ..policies.registry import build_policy
+from ..router.engine import RoutingEngine
+from ..router.kv_index import ShadowKVIndex
+from ..router.replicas import ReplicaRegistry
+from ..router.sessions import SessionTable
+from .profiles import Profile, load_profile
+from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
+from .report import RequestRecord, summarize_requests
+from .segment_keys import SegmentKeyCache
+from .workload import Session, TurnRequest, WorkloadConfig, make_session
+
+ROUTE = "/v1/chat/completions"
+_SCALE, _WAKE, _POLL, _HOUSE, _SAMPLE, _ARRIVE, _REQUEST = range(7)
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """At `at_s`, add `add` fresh replicas and/or kill the replicas named in `remove`."""
+
+    at_s: float
+    add: int = 0
+    remove: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int
+    profile: str = "kimi-k2.6-b200-tp4"
+    duration_s: float = 600.0
+    seed: int = 0
+    sessions: int | None = None  # concurrent sessions kept alive (closed loop); default 5 per replica
+    ramp_s: float = 60.0  # sessions start spread over this long
+    poll_interval_s: float = 0.25
+    sample_interval_s: float = 5.0
+    housekeeping_interval_s: float = 1.0
+    rebalance_interval_s: float = 10.0
+    rebalance_max_moves: int = 4
+    drain_s: float = 300.0  # after `duration_s`, in-flight requests get this long to finish
+    # Initial sessions start at a random point of their life (steady-state context sizes, cold
+    # caches, as after a restart); requests starting before `warmup_s` are not measured.
+    warm_start: bool = True
+    warmup_s: float = 60.0
+    scale_events: tuple[ScaleEvent, ...] = ()
+    policy_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Flight:
+    req: TurnRequest
+    session_idx: int
+    replica: str
+    summary: RequestSummary
+    start: float
+    record: RequestRecord
+    first: float | None = None
+
+
+@dataclass(slots=True)
+class _Turn:
+    batch: list[TurnRequest]
+    replies: list[int | None]
+    pending: int
+
+
+def replica_name(i: int) -> str:
+    return f"replica-{i:04d}"
+
+
+def signals_of(model: ReplicaModel, now: float) -> ReplicaSignals:
+    load = model.load(now)
+    return ReplicaSignals(
+        num_running_reqs=load.num_running_reqs,
+        num_queue_reqs=load.num_queue_reqs,
+        token_usage=load.token_usage,
+        num_used_tokens=load.num_used_tokens,
+        max_total_num_tokens=load.max_total_num_tokens,
+        cache_hit_rate=load.cache_hit_rate,
+    )
+
+
+class ClusterSimulator:
+    def __init__(
+        self,
+        config: SimConfig,
+        policy: str,
+        workload: WorkloadConfig,
+        *,
+        profile: Profile | None = None,
+        session_factory: Callable[[int], Session] | None = None,
+        arrivals: Iterable[tuple[float, Session]] | None = None,
+    ) -> None:
+        """`session_factory(i)` makes closed-loop session i (the workload's by default).
+        `arrivals` replaces that population with sessions starting at given times (trace replay,
+        open loop across sessions); ended sessions are then not replaced."""
+        self.config = config
+        self.policy_name = policy
+        self.workload = workload
+        self.profile = profile or load_profile(config.profile)
+        self.rng = random.Random(f"sim:{config.seed}:{policy}")
+        self.registry = ReplicaRegistry()
+        self.table = SessionTable(ttl_s=3600.0)
+        self.index = ShadowKVIndex(self.profile.page_size, self.profile.max_total_num_tokens)
+        self.engine = RoutingEngine(
+            build_policy(policy, config.policy_params), self.registry, self.index, self.table,
+            random.Random(f"policy:{config.seed}"),
+        )
+        self.table._on_change = self.engine.sync_homed
+        self.models: dict[str, ReplicaModel] = {}
+        self.keys = SegmentKeyCache(self.profile.page_size, namespace="sim-model")
+        self.make_session = session_factory or (lambda i: make_session(workload, config.seed, i))
+        self.arrivals = arrivals
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._wake_at: dict[str, float] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._turns: dict[int, _Turn] = {}
+        self._sessions: dict[int, Session] = {}
+        self._next_session = 0
+        self._rid = itertools.count()
+        self.records: list[RequestRecord] = []
+        self.load_samples: list[list[float]] = []
+        self.load_timeline: list[dict[str, float]] = []
+        self.decisions: Counter[str] = Counter()
+        self.events = 0
+        self.rebalanced = 0
+        self._last_rebalance = 0.0
+        for i in range(config.replicas):
+            self._add_replica(replica_name(i), fresh=False)
+        self._replica_counter = config.replicas
+
+    # -- event plumbing --------------------------------------------------------------------------
+    def _push(self, at: float, kind: int, payload: Any = None) -> None:
+        heapq.heappush(self._heap, (at, kind, next(self._seq), payload))
+
+    def _wake(self, url: str) -> None:
+        model = self.models.get(url)
+        if model is None:
+            return
+        at = model.next_event_time()
+        if at is None:
+            return
+        at = max(at, self.now)
+        if self._wake_at.get(url, math.inf) > at:
+            self._wake_at[url] = at
+            self._push(at, _WAKE, url)
+
+    # -- replicas ----------------------------------------------------------------------------------
+    def _add_replica(self, url: str, *, fresh: bool) -> None:
+        self.models[url] = ReplicaModel(self.profile)
+        self.engine.add_replica(url, self.now, fresh=fresh)
+        self.index.set_capacity(url, self.profile.max_total_num_tokens)
+        self.registry.update_signals(url, signals_of(self.models[url], self.now))
+
+    def _kill_replica(self, url: str) -> None:
+        if self.models.pop(url, None) is None:
+            return
+        self.engine.remove_replica(url)
+        self._wake_at.pop(url, None)
+        for rid, flight in list(self._flights.items()):
+            if flight.replica == url:  # the client sees a failed request; the session goes on
+                flight.record.error = "replica killed"
+                self._finish(rid, flight, ok=False)
+
+    def _scale(self, event: ScaleEvent) -> None:
+        for _ in range(event.add):
+            self._add_replica(replica_name(self._replica_counter), fresh=True)
+            self._replica_counter += 1
+        for url in event.remove:
+            self._kill_replica(url)
+
+    # -- sessions and requests -----------------------------------------------------------------
+    def _start_session(self, at: float, *, initial: bool = False, session: Session | None = None) -> None:
+        idx = self._next_session
+        self._next_session += 1
+        if session is None:
+            session = self.make_session(idx)
+        self._sessions[idx] = session
+        batch = session.next_requests(None)
+        if initial and self.config.warm_start and session.n_turns > 1:
+            for _ in range(self.rng.randrange(session.n_turns)):
+                nxt = session.next_requests([r.expected_output_tokens for r in batch])
+                if not nxt:
+                    break
+                batch = nxt
+        self._launch(idx, batch, at)
+
+    def _turn(self, idx: int, replies: list[int | None]) -> None:
+        batch = self._sessions[idx].next_requests(replies)
+        self._launch(idx, batch, self.now + (batch[0].think_time_s if batch else 0.0))
+
+    def _launch(self, idx: int, batch: list[TurnRequest], start: float) -> None:
+        if not batch:
+            session = self._sessions.pop(idx)
+            self.keys.forget(session.session_id)
+            if self.arrivals is None and self.now < self.config.duration_s:
+                self._start_session(self.now)  # keep the session count: closed loop
+            return
+        if start >= self.config.duration_s:
+            return
+        self._turns[idx] = _Turn(batch, [None] * len(batch), len(batch))
+        for req in batch:
+            self._push(start, _REQUEST, (idx, req))
+
+    def _dispatch(self, idx: int, req: TurnRequest) -> None:
+        session = self._sessions[idx]
+        reply = session.reply_segment(req, req.expected_output_tokens)
+        keys = self.keys.keys(session.session_id, req.segments + (reply,))
+        prompt = req.prompt_tokens
+        prompt_pages = prompt // self.profile.page_size
+        summary = RequestSummary(
+            route=ROUTE, session_key=session.session_id, prompt_tokens=prompt,
+            prefix_blocks=tuple(keys[:prompt_pages]),
+        )
+        record = RequestRecord(session.session_id, ok=False, start_s=self.now, prompt_tokens=prompt,
+                               turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
+        view = self.table.view(session.session_id)
+        decision, summary = self.engine.decide(summary, view)
+        if decision is None:
+            record.error = "no replica"
+            self.records.append(record)
+            self._reply(idx, req, None)
+            return
+        url = decision.replica
+        home = self.table.begin(session.session_id, decision.home, force=decision.reason == "rehome",
+                                tokens=prompt, now=self.now)
+        if decision.home is not None and home not in (None, url) and home in self.registry:
+            url = home
+        self.decisions[decision.reason] += 1
+        self.engine.dispatched(url, summary)
+        rid = f"r{next(self._rid)}"
+        record.replica = url
+        self._flights[rid] = _Flight(req, idx, url, summary, self.now, record)
+        output = max(1, req.expected_output_tokens)
+        self.models[url].submit(SimRequest(rid, prompt, output, keys), self.now)
+        self._wake(url)
+
+    def _finish(self, rid: str, flight: _Flight, *, ok: bool, completion: int = 0, cached: int = 0) -> None:
+        del self._flights[rid]
+        record = flight.record
+        record.ok = ok
+        if ok:
+            record.e2e_s = self.now - flight.start
+            record.ttft_s = (flight.first or self.now) - flight.start
+            record.completion_tokens = completion
+            record.cached_tokens = cached
+            if completion > 1:
+                record.itl_s = (record.e2e_s - record.ttft_s) / (completion - 1)
+        self.records.append(record)
+        self.engine.completed(flight.replica, flight.summary)
+        self.table.release(flight.req.session_id, self.now)
+        self._reply(flight.session_idx, flight.req, completion if ok else None)
+
+    def _reply(self, idx: int, req: TurnRequest, reply: int | None) -> None:
+        turn = self._turns.get(idx)
+        if turn is None:
+            return
+        turn.replies[req.branch_index] = reply
+        turn.pending -= 1
+        if turn.pending == 0:
+            del self._turns[idx]
+            self._turn(idx, turn.replies)
+
+    def _advance(self, url: str) -> None:
+        model = self.models.get(url)
+        if model is None:
+            return
+        for event in model.advance(self.now):
+            flight = self._flights.get(event.rid)
+            if flight is None:
+                continue
+            if isinstance(event, FirstToken):
+                flight.first = event.time
+            elif isinstance(event, Finished):
+                self._finish(event.rid, flight, ok=True, completion=event.completion_tokens,
+                             cached=event.cached_tokens)
+        self._wake(url)
+
+    # -- periodic work ---------------------------------------------------------------------------
+    def _poll(self) -> None:
+        for url, model in self.models.items():
+            self.registry.update_signals(url, signals_of(model, self.now))
+
+    def _housekeeping(self) -> None:
+        self.engine.settle_fresh()
+        if self.now - self._last_rebalance >= self.config.rebalance_interval_s:
+            self._last_rebalance = self.now
+            for move in self.engine.plan_rebalance(
+                self.now, self.config.rebalance_interval_s, self.config.rebalance_max_moves
+            ):
+                self.table.set_home(move.session, move.target, self.now)
+                self.rebalanced += 1
+
+    def _sample(self) -> None:
+        if self.now < self.config.warmup_s:
+            return
+        loads = [m.load(self.now) for m in self.models.values()]
+        running = [float(x.num_running_reqs + x.num_queue_reqs) for x in loads]
+        if not running:
+            return
+        self.load_samples.append(running)
+        ordered = sorted(running)
+        mean = sum(running) / len(running)
+        self.load_timeline.append({
+            "t_s": round(self.now, 3), "replicas": len(running), "mean": round(mean, 3),
+            "max": ordered[-1], "p50": ordered[len(ordered) // 2],
+            "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+            "idle_fraction": round(sum(1 for x in running if x == 0) / len(running), 4),
+        })
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        n_sessions = cfg.sessions if cfg.sessions is not None else 5 * cfg.replicas
+        ramp = min(cfg.ramp_s, cfg.duration_s / 4)
+        if self.arrivals is not None:
+            for at, session in self.arrivals:
+                if at < cfg.duration_s:
+                    self._push(at, _ARRIVE, session)
+        else:
+            for i in range(n_sessions):
+                self._start_session(ramp * i / max(1, n_sessions), initial=True)
+        for event in cfg.scale_events:
+            self._push(event.at_s, _SCALE, event)
+        self._push(0.0, _POLL)
+        self._push(cfg.housekeeping_interval_s, _HOUSE)
+        self._push(cfg.sample_interval_s, _SAMPLE)
+        end = cfg.duration_s + cfg.drain_s
+        while self._heap:
+            at, kind, _, payload = heapq.heappop(self._heap)
+            if at > end:
+                break
+            self.now = at
+            self.events += 1
+            if kind == _WAKE:
+                if self._wake_at.get(payload) == at:
+                    del self._wake_at[payload]
+                    self._advance(payload)
+            elif kind == _REQUEST:
+                if payload[0] in self._sessions:
+                    self._dispatch(*payload)
+            elif kind == _POLL:
+                self._poll()
+                if at < cfg.duration_s or self._flights:
+                    self._push(at + cfg.poll_interval_s, _POLL)
+            elif kind == _HOUSE:
+                self._housekeeping()
+                if at < cfg.duration_s:
+                    self._push(at + cfg.housekeeping_interval_s, _HOUSE)
+            elif kind == _SAMPLE:
+                if at <= cfg.duration_s:
+                    self._sample()
+                    self._push(at + cfg.sample_interval_s, _SAMPLE)
+            elif kind == _SCALE:
+                self._scale(payload)
+            elif kind == _ARRIVE:
+                self._start_session(at, session=payload)
+        for rid, flight in list(self._flights.items()):
+            flight.record.error = "unfinished at end of drain"
+            self._finish(rid, flight, ok=False)
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        cfg = self.config
+        measured = [r for r in self.records if cfg.warmup_s <= r.start_s < cfg.duration_s]
+        out = summarize_requests(measured, max(1, len(self.models)), cfg.duration_s - cfg.warmup_s,
+                                 self.load_samples)
+        out["homed_sessions_per_replica"] = [
+            self.table.homed_sessions.get(url, 0) for url in sorted(self.models)
+        ]
+        out["decisions"] = dict(sorted(self.decisions.items()))
+        out["sessions_rebalanced"] = self.rebalanced
+        out["load_timeline"] = self.load_timeline
+        return out
