@@ -1,0 +1,149 @@
+"""The routing engine end to end on 127.0.0.1: routers + simulated SGLang replicas + real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import openai
+import pytest
+
+from kvrouter.loadtest.sim_server import SIM_KEY, build_app
+
+FAST = 100.0  # simulated-model seconds per wall second
+
+
+@pytest.fixture
+async def fleet(start_app):
+    async def _fleet(n: int, time_scale: float = FAST) -> list[str]:
+        return [await start_app(build_app("tiny", time_scale=time_scale, seed=i)) for i in range(n)]
+    return _fleet
+
+
+def router_config(**extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": 0, "replica_header": True},
+        "signals": {"interval_s": 0.05},
+        "policy": {"name": "coding-agent"},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+class Chat:
+    """A multi-turn session through one router: history grows by each reply and a new message."""
+
+    def __init__(self, base_url: str, session: str, words: int = 200) -> None:
+        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        self.session = session
+        self.messages = [{"role": "system", "content": "You are a coding agent. " * 20},
+                         {"role": "user", "content": f"repo {session} " + "def f(x): return x\n" * words}]
+
+    async def turn(self, text: str = "next", max_tokens: int = 30, record: bool = True) -> tuple[str, int]:
+        messages = self.messages + [{"role": "user", "content": f"{text} {self.session}"}]
+        raw = await self.client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=max_tokens,
+            extra_headers={"x-session-id": self.session}, extra_body={"ignore_eos": True},
+        )
+        reply = raw.parse()
+        if record:
+            self.messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content}]
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        return raw.headers["x-kvrouter-replica"], cached
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def test_session_stays_home_and_its_cache_grows(fleet, start_router):
+    replicas = await fleet(4)
+    _, url = await start_router(replicas, **router_config())
+    chat = Chat(url, "s-1")
+    try:
+        seen, cached = [], []
+        for i in range(5):
+            replica, hit = await chat.turn(f"turn {i}")
+            seen.append(replica)
+            cached.append(hit)
+    finally:
+        await chat.close()
+    assert len(set(seen)) == 1  # every turn at the same home
+    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:]))  # the prefix keeps hitting
+
+
+async def test_burst_on_one_session_spreads_above_high_water(fleet, start_router):
+    replicas = await fleet(4, time_scale=10.0)  # slow enough that the burst overlaps
+    _, url = await start_router(replicas, **router_config())
+    chat = Chat(url, "burst")
+    try:
+        home, _ = await chat.turn("warm up")
+        results = await asyncio.gather(*(chat.turn(f"branch {i}", max_tokens=200, record=False)
+                                         for i in range(8)))
+    finally:
+        await chat.close()
+    where = Counter(r for r, _ in results)
+    assert where[home] >= 2  # up to the high-water mark at home (where the cache is)...
+    assert len(where) >= 3  # ...and the overflow shed to other replicas
+
+
+async def test_new_replica_takes_new_sessions_and_warm_sessions_stay(fleet, start_app, start_router):
+    replicas = await fleet(4)
+    router, url = await start_router(replicas, **router_config())
+    warm = [Chat(url, f"warm-{i}") for i in range(4)]
+    try:
+        homes = {c.session: (await c.turn())[0] for c in warm}
+        fifth = await start_app(build_app("tiny", time_scale=FAST, seed=9))
+        assert router.add_replica(fifth)
+        new = [Chat(url, f"new-{i}") for i in range(2)]
+        new_homes = [(await c.turn())[0] for c in new]
+        after = {c.session: (await c.turn())[0] for c in warm}
+        for c in new:
+            await c.close()
+    finally:
+        for c in warm:
+            await c.close()
+    assert new_homes == [fifth, fifth]  # fresh replica first
+    assert after == homes  # no warm session moved
+
+
+async def test_two_routers_on_one_redis_agree(fleet, start_router, redis_server):
+    replicas = await fleet(4)
+    shared = {"store": "redis", "redis_url": redis_server.url, "key_prefix": "it:"}
+    _, url_a = await start_router(replicas, **router_config(affinity=shared))
+    _, url_b = await start_router(replicas, **router_config(affinity=shared))
+    for i in range(6):
+        a, b = Chat(url_a, f"shared-{i}"), Chat(url_b, f"shared-{i}")
+        try:
+            # The first requests of a session race through both routers at once.
+            (ra, _), (rb, _) = await asyncio.gather(a.turn(), b.turn())
+            rb2, _ = await b.turn("again")
+        finally:
+            await a.close(), await b.close()
+        assert ra == rb == rb2
+
+
+async def test_redis_killed_mid_run_loses_no_request(fleet, start_router, redis_server):
+    replicas = await fleet(4)
+    router, url = await start_router(replicas, **router_config(
+        affinity={"store": "redis", "redis_url": redis_server.url, "op_timeout_s": 0.2,
+                  "retry_after_s": 0.1}))
+    chats = [Chat(url, f"r-{i}") for i in range(4)]
+    ok = failed = 0
+    try:
+        for round_ in range(12):
+            if round_ == 4:
+                redis_server.kill()
+            if round_ == 8:
+                assert router.affinity.degraded
+                redis_server.start()
+                await asyncio.sleep(0.3)
+            results = await asyncio.gather(*(c.turn(f"round {round_}") for c in chats),
+                                           return_exceptions=True)
+            ok += sum(not isinstance(r, BaseException) for r in results)
+            failed += sum(isinstance(r, BaseException) for r in results)
+    finally:
+        for c in chats:
+            await c.close()
+    assert (ok, failed) == (48, 0)
+    assert not router.affinity.degraded  # restored once Redis came back
