@@ -7,7 +7,7 @@ cluster simulator call the very same code, and tests can hand-build any situatio
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
@@ -71,15 +71,76 @@ class RequestSummary:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """All replicas as seen at one instant. Policies must not keep a reference to it."""
+    """All replicas as seen at one instant. Policies must not keep a reference to it.
+
+    The live registry also fills in an id index and fleet aggregates it maintains incrementally,
+    so a policy can sample a 1000-replica fleet without scanning it; hand-built snapshots (tests)
+    leave them out and the helpers below compute them.
+    """
 
     replicas: tuple[ReplicaView, ...]
     session: SessionView | None = None
+    by_id: Mapping[str, ReplicaView] | None = None
+    healthy_load: int | None = None  # sum of `load` over healthy replicas
+    healthy_count: int | None = None
+    fresh: tuple[str, ...] | None = None  # ids of fresh replicas
+    epoch: int | None = None  # changes whenever a replica is added or removed
+
+    def with_session(self, session: SessionView | None) -> "Snapshot":
+        return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
+                        self.healthy_count, self.fresh, self.epoch)
 
     def candidates(self, request: RequestSummary) -> list[ReplicaView]:
         """Healthy replicas not already tried for this request, in a stable order."""
         exclude = request.exclude
         return [r for r in self.replicas if r.healthy and r.id not in exclude]
+
+    def get(self, replica_id: str) -> ReplicaView | None:
+        if self.by_id is not None:
+            return self.by_id.get(replica_id)
+        return next((r for r in self.replicas if r.id == replica_id), None)
+
+    def usable(self, replica_id: str, request: RequestSummary) -> ReplicaView | None:
+        view = self.get(replica_id)
+        if view is None or not view.healthy or replica_id in request.exclude:
+            return None
+        return view
+
+    def mean_load(self) -> float:
+        if self.healthy_load is not None and self.healthy_count is not None:
+            return self.healthy_load / self.healthy_count if self.healthy_count else 0.0
+        healthy = [r.load for r in self.replicas if r.healthy]
+        return sum(healthy) / len(healthy) if healthy else 0.0
+
+    def fresh_ids(self) -> tuple[str, ...]:
+        if self.fresh is not None:
+            return self.fresh
+        return tuple(r.id for r in self.replicas if r.fresh)
+
+    def sample(
+        self, request: RequestSummary, k: int, rng: random.Random, first: Iterable[str] = ()
+    ) -> list[ReplicaView]:
+        """Up to `k` usable replicas: the ones named in `first` (if usable), then random others.
+        Scans the fleet only when it is small; a large one is sampled in O(k)."""
+        chosen: dict[str, ReplicaView] = {}
+        for rid in first:
+            view = self.usable(rid, request)
+            if view is not None and len(chosen) < k:
+                chosen[rid] = view
+        n = len(self.replicas)
+        if n <= 2 * k:
+            pool = [r for r in self.candidates(request) if r.id not in chosen]
+            rng.shuffle(pool)
+            for view in pool[: k - len(chosen)]:
+                chosen[view.id] = view
+            return list(chosen.values())
+        for _ in range(4 * k):  # draws with replacement; unusable ones are skipped
+            if len(chosen) >= k:
+                break
+            view = self.replicas[rng.randrange(n)]
+            if view.healthy and view.id not in request.exclude:
+                chosen.setdefault(view.id, view)
+        return list(chosen.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ The rules, in order (each decision's `reason` names the rule that made it):
               load, new sessions go to fresh replicas only.
 5. fallback   Every candidate is over its high-water marks: the cheapest one still takes it.
 Near-ties (cost within `tie_tolerance`) are broken by power of two choices on load, never by
-index order. At most `max_candidates` replicas are costed (a random sample, plus the home and
-every replica holding part of the prefix), so a decision stays cheap at 1000 replicas.
+index order. At most `max_candidates` replicas are costed (those holding part of the prefix,
+then a random sample: power of d choices), so a decision stays cheap at 1000 replicas.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class CodingAgentParams(BaseModel):
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
     tie_tolerance: float = Field(0.05, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
-    max_candidates: int = Field(64, ge=2, description="Replicas costed per decision (sampled beyond this).")
+    max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
     sibling_new_tokens: int = Field(2000, ge=0, description="New tokens assumed per in-flight sibling request at home (its prefill runs first).")
     cost: CostParams = CostParams()
 
@@ -66,19 +66,15 @@ class CodingAgent:
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
-        candidates = snapshot.candidates(request)
-        if not candidates:
-            return None
-        by_id = {r.id: r for r in candidates}
         session = snapshot.session
-        home_id = session.home if session is not None else self._prefix_home(request, by_id)
-        home = by_id.get(home_id) if home_id is not None else None
+        home_id = session.home if session is not None else self._prefix_home(snapshot, request)
+        home = snapshot.usable(home_id, request) if home_id is not None else None
 
         if home is not None:
             session_busy = session is not None and session.in_flight >= self.params.session_high_water
             if not session_busy and not self.overloaded(home):
                 return Decision(home.id, "affinity")
-            others = [r for r in candidates if r.id != home.id]
+            others = [r for r in self._pool(snapshot, request, rng) if r.id != home.id]
             if not others:
                 return Decision(home.id, "affinity")
             choice, reason = self._cheapest(others, request, rng, "overflow")
@@ -92,18 +88,26 @@ class CodingAgent:
         keyed = session is not None and session.key is not None
         reason = "new_session"
         if session is not None and session.home is not None:
-            if session.home in request.exclude:
-                # A retry after the home just failed: place this request, keep the home.
-                choice, reason = self._cheapest(candidates, request, rng, "retry")
-                return Decision(choice.id, reason)
-            reason = "rehome"  # the home left the healthy set
-        pool = candidates
+            reason = "retry" if session.home in request.exclude else "rehome"
+        pool: list[ReplicaView] = []
         if reason == "new_session":
-            fresh = self._fresh_below_mean(snapshot, candidates)
-            if fresh:
-                pool, reason = fresh, "fresh_replica"
+            pool = self._fresh_below_mean(snapshot, request)
+            if pool:
+                reason = "fresh_replica"
+        if not pool:
+            pool = self._pool(snapshot, request, rng)
+        if not pool:
+            return None
+        # A retry after the home just failed this request keeps the home; others (re)assign it.
+        sets_home = keyed and reason != "retry"
         choice, reason = self._cheapest(pool, request, rng, reason)
-        return Decision(choice.id, reason, home=choice.id if keyed else None)
+        return Decision(choice.id, reason, home=choice.id if sets_home else None)
+
+    def _pool(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> list[ReplicaView]:
+        """Replicas worth costing: every one holding part of the prefix (most cached first), then a
+        random sample up to `max_candidates`; the whole fleet when it is that small."""
+        holders = sorted(request.cached_tokens, key=lambda r: (-request.cached_tokens[r], r))
+        return snapshot.sample(request, self.params.max_candidates, rng, first=holders)
 
     def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
         """Requests of the same session already at home are prefilled first: each costs about
@@ -113,22 +117,21 @@ class CodingAgent:
         warm = prefill_s(self.params.cost, self.params.sibling_new_tokens, request.prompt_tokens)
         return session.in_flight * (warm + self.params.cost.decode_s_per_running)
 
-    def _prefix_home(self, request: RequestSummary, by_id: dict[str, ReplicaView]) -> str | None:
+    def _prefix_home(self, snapshot: Snapshot, request: RequestSummary) -> str | None:
         if not request.cached_tokens or request.prompt_tokens <= 0:
             return None
-        best = max(request.cached_tokens.items(), key=lambda kv: (kv[1], kv[0]))
-        if best[0] in by_id and best[1] >= self.params.prefix_home_min_fraction * request.prompt_tokens:
-            return best[0]
+        best, cached = max(request.cached_tokens.items(), key=lambda kv: (kv[1], kv[0]))
+        if cached >= self.params.prefix_home_min_fraction * request.prompt_tokens:
+            return best
         return None
 
-    def _fresh_below_mean(self, snapshot: Snapshot, candidates: list[ReplicaView]) -> list[ReplicaView]:
-        fresh = [r for r in candidates if r.fresh]
+    def _fresh_below_mean(self, snapshot: Snapshot, request: RequestSummary) -> list[ReplicaView]:
+        fresh = snapshot.fresh_ids()
         if not fresh:
             return []
-        healthy = [r for r in snapshot.replicas if r.healthy]
-        mean = sum(r.load for r in healthy) / len(healthy)
-        limit = self.params.fresh_until_mean_ratio * mean
-        return [r for r in fresh if r.load < limit or r.load == 0]
+        limit = self.params.fresh_until_mean_ratio * snapshot.mean_load()
+        views = (snapshot.usable(rid, request) for rid in fresh)
+        return [r for r in views if r is not None and (r.load < limit or r.load == 0)]
 
     def _cheapest(
         self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random, reason: str
@@ -137,8 +140,6 @@ class CodingAgent:
         usable = [r for r in pool if not self.overloaded(r)]
         if not usable:
             usable, reason = pool, "fallback"
-        if len(usable) > p.max_candidates:
-            usable = self._sample(usable, request, rng)
         costs = [(expected_cost(p.cost, r, request), r) for r in usable]
         best = min(c for c, _ in costs)
         ties = [r for c, r in costs if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
@@ -146,14 +147,3 @@ class CodingAgent:
             return ties[0], reason
         a, b = rng.sample(ties, 2)  # power of two choices among near-equal costs
         return (a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b), reason
-
-    def _sample(
-        self, usable: list[ReplicaView], request: RequestSummary, rng: random.Random
-    ) -> list[ReplicaView]:
-        """Every replica holding part of the prefix, every fresh one, then a random sample."""
-        keep = [r for r in usable if r.fresh or request.cached_tokens.get(r.id)]
-        keep = keep[: self.params.max_candidates // 2]
-        kept = {r.id for r in keep}
-        rest = [r for r in usable if r.id not in kept]
-        keep.extend(rng.sample(rest, min(len(rest), self.params.max_candidates - len(keep))))
-        return keep

@@ -13,7 +13,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from ..policies.base import Decision, Policy, RequestSummary, SessionView, Snapshot
+from ..policies.base import Decision, Policy, RequestSummary, SessionView
 from .kv_index import ShadowKVIndex
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
@@ -69,7 +69,7 @@ class RoutingEngine:
             summary = dataclasses.replace(summary, cached_tokens=self.index.match(summary.prefix_blocks))
         snapshot = self.registry.snapshot()
         if session is not None:
-            snapshot = Snapshot(snapshot.replicas, session)
+            snapshot = snapshot.with_session(session)
         return self.policy.decide(snapshot, summary, self.rng), summary
 
     def dispatched(self, replica: str, summary: RequestSummary) -> None:

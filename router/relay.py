@@ -132,8 +132,10 @@ class Relay:
             url = decision.replica
             if summary.session_key is not None and not began[0]:
                 began[0] = True
+                # A session without a home gets the replica of its first request (policies that
+                # do not assign homes too, so sessions per replica can be counted for every policy).
                 home = await self.affinity.begin(
-                    summary.session_key, decision.home,
+                    summary.session_key, decision.home or url,
                     force=decision.reason == "rehome", tokens=summary.prompt_tokens,
                 )
                 if decision.home is not None and home not in (None, url) and home in self.registry:

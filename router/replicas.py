@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any
 
 from ..metrics.sglang import ReplicaSignals
@@ -23,8 +24,14 @@ class ReplicaRegistry:
     def __init__(self, urls: Iterable[str] = (), failure_threshold: int = 3) -> None:
         self.failure_threshold = failure_threshold
         self._views: dict[str, ReplicaView] = {}
+        self._by_id = MappingProxyType(self._views)
         self._failures: dict[str, int] = {}
         self._snapshot: Snapshot | None = None
+        # Fleet aggregates kept up to date on every change, so snapshots need no scan.
+        self._healthy_load = 0
+        self._healthy_count = 0
+        self._fresh: dict[str, None] = {}
+        self._epoch = 0
         for url in urls:
             self.add(url, fresh=False)
 
@@ -32,17 +39,33 @@ class ReplicaRegistry:
     def add(self, url: str, *, fresh: bool = True) -> bool:
         if url in self._views:
             return False
-        self._views[url] = ReplicaView(id=url, fresh=fresh)
+        view = ReplicaView(id=url, fresh=fresh)
+        self._views[url] = view
+        self._account(view, 1)
         self._failures[url] = 0
+        self._epoch += 1
         self._snapshot = None
         return True
 
     def remove(self, url: str) -> bool:
-        if self._views.pop(url, None) is None:
+        view = self._views.pop(url, None)
+        if view is None:
             return False
+        self._account(view, -1)
         self._failures.pop(url, None)
+        self._epoch += 1
         self._snapshot = None
         return True
+
+    def _account(self, view: ReplicaView, sign: int) -> None:
+        if view.healthy:
+            self._healthy_load += sign * view.load
+            self._healthy_count += sign
+        if view.fresh:
+            if sign > 0:
+                self._fresh[view.id] = None
+            else:
+                self._fresh.pop(view.id, None)
 
     def urls(self) -> list[str]:
         return list(self._views)
@@ -58,8 +81,13 @@ class ReplicaRegistry:
 
     # -- snapshots --------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
+        """The current views. `by_id` is a read-only window on the live table: consistent with
+        `replicas` for as long as a synchronous policy call lasts, which is all a policy gets."""
         if self._snapshot is None:
-            self._snapshot = Snapshot(tuple(self._views.values()))
+            self._snapshot = Snapshot(
+                tuple(self._views.values()), None, self._by_id, self._healthy_load,
+                self._healthy_count, tuple(self._fresh), self._epoch,
+            )
         return self._snapshot
 
     def any_healthy(self) -> bool:
@@ -69,7 +97,9 @@ class ReplicaRegistry:
         view = self._views.get(url)
         if view is None:
             return None
+        self._account(view, -1)
         view = dataclasses.replace(view, **changes)
+        self._account(view, 1)
         self._views[url] = view
         self._snapshot = None
         return view

@@ -108,3 +108,35 @@ def test_fresh_replica_settles_at_the_mean():
     eng.registry.dispatched("r2", 0)
     eng.settle_fresh()
     assert not eng.registry.view("r2").fresh
+
+
+def test_bisected_match_equals_a_block_by_block_walk():
+    """The index bisects on holder sets; on random records with LRU eviction (which keeps each
+    replica's blocks prefix-closed) it must agree with the obvious linear walk."""
+
+    def linear(idx: ShadowKVIndex, blocks: list[int]) -> dict[str, int]:
+        out = {}
+        for replica, lru in idx._lru.items():
+            depth = 0
+            for b in blocks:
+                if b not in lru:
+                    break
+                depth += 1
+            if depth:
+                out[replica] = depth * idx.block_tokens
+        return out
+
+    rng = random.Random(0)
+    for _ in range(200):
+        idx = ShadowKVIndex(64)
+        shared = [rng.getrandbits(60) for _ in range(rng.randrange(0, 10))]
+        chains = [[rng.getrandbits(60) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+        for r in range(8):
+            idx.set_capacity(f"r{r}", 64 * rng.randrange(5, 60))
+            for _ in range(rng.randrange(1, 6)):
+                chain = rng.choice(chains)
+                idx.record(f"r{r}", shared + chain[: rng.randrange(1, len(chain) + 1)])
+        for _ in range(5):
+            chain = rng.choice(chains)
+            query = shared + chain[: rng.randrange(1, len(chain) + 1)] + [rng.getrandbits(60)]
+            assert idx.match(query) == linear(idx, query)
