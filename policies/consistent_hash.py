@@ -30,11 +30,17 @@ class ConsistentHash:
 
     def __init__(self, params: ConsistentHashParams | None = None) -> None:
         self.params = params or ConsistentHashParams()
+        self._epoch: int | None = None
         self._members: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
 
-    def _ring(self, members: tuple[str, ...]) -> None:
+    def _ring(self, snapshot: Snapshot) -> None:
+        """Rebuild the ring only when membership changed (the registry's epoch says so)."""
+        if snapshot.epoch is not None and snapshot.epoch == self._epoch:
+            return
+        members = tuple(sorted(r.id for r in snapshot.replicas))
+        self._epoch = snapshot.epoch
         if members == self._members:
             return
         ring = sorted((_h(f"{m}#{i}"), m) for m in members for i in range(self.params.vnodes))
@@ -46,20 +52,18 @@ class ConsistentHash:
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
         # The ring holds every known replica, so a replica's health never remaps other sessions.
-        self._ring(tuple(sorted(r.id for r in snapshot.replicas)))
-        usable = {r.id for r in snapshot.candidates(request)}
-        if not usable:
-            return None
+        self._ring(snapshot)
         if request.session_key is not None:
             key = _h(request.session_key)
         elif request.prefix_blocks:
             key = request.prefix_blocks[0] & 0xFFFFFFFFFFFFFFFF
         else:
-            return Decision(rng.choice(sorted(usable)), "no_key")
+            candidates = snapshot.candidates(request)
+            return Decision(rng.choice(candidates).id, "no_key") if candidates else None
         start = bisect.bisect(self._points, key)
         n = len(self._owners)
         for step in range(n):
             owner = self._owners[(start + step) % n]
-            if owner in usable:
+            if snapshot.usable(owner, request) is not None:
                 return Decision(owner, "hash" if step == 0 else "hash_next")
         return None

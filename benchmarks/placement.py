@@ -1,0 +1,101 @@
+"""Cost of one placement decision at 8, 100 and 1000 replicas (p50/p99 microseconds).
+
+Times `policy.decide` alone and the router's whole synchronous step (`RoutingEngine.decide`: KV
+index match + snapshot + policy) on a loaded fleet: every replica with polled signals and homed
+sessions, the index holding each session's 100k-token prefix (64-token blocks, as the live router).
+
+    python benchmarks/placement.py [--policy coding-agent] [--decisions 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from kvrouter.metrics.sglang import ReplicaSignals
+from kvrouter.policies.base import RequestSummary
+from kvrouter.policies.registry import build_policy
+from kvrouter.router.engine import RoutingEngine
+from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.replicas import ReplicaRegistry
+from kvrouter.router.sessions import SessionTable
+
+PROMPT_TOKENS = 100_000
+BLOCK_TOKENS = 64
+
+
+def build(n: int, policy: str, rng: random.Random) -> tuple[RoutingEngine, list[tuple[str, tuple[int, ...]]]]:
+    registry = ReplicaRegistry([f"http://replica-{i}:30000" for i in range(n)])
+    table = SessionTable()
+    engine = RoutingEngine(build_policy(policy), registry, ShadowKVIndex(BLOCK_TOKENS), table, rng)
+    table._on_change = engine.sync_homed
+    sessions = []
+    for i, url in enumerate(registry.urls()):
+        registry.update_signals(url, ReplicaSignals(
+            num_running_reqs=rng.randrange(0, 30), num_queue_reqs=rng.randrange(0, 2),
+            token_usage=rng.random() * 0.8, max_total_num_tokens=444_672))
+        for s in range(3):  # three warm sessions per replica
+            key = f"s{i}-{s}"
+            blocks = tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+            engine.index.record(url, blocks)
+            table.begin(key, url, force=False, tokens=PROMPT_TOKENS, now=0)
+            table.release(key, 0)
+            sessions.append((key, blocks))
+    return engine, sessions
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(n: int, policy: str, decisions: int) -> dict[str, float]:
+    rng = random.Random(n)
+    engine, sessions = build(n, policy, rng)
+    policy_us: list[float] = []
+    engine_us: list[float] = []
+    clock = time.perf_counter
+    for i in range(decisions):
+        if i % 2:  # a returning session (affinity path) ...
+            key, blocks = sessions[rng.randrange(len(sessions))]
+        else:  # ... or a new one (cost placement over the fleet)
+            key, blocks = f"new-{i}", tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+        summary = RequestSummary("/v1/chat/completions", session_key=key,
+                                 prompt_tokens=PROMPT_TOKENS, prefix_blocks=blocks)
+        view = engine.table.view(key)
+        t0 = clock()
+        _, filled = engine.decide(summary, view)
+        engine_us.append((clock() - t0) * 1e6)
+        snapshot = engine.registry.snapshot()
+        from kvrouter.policies.base import Snapshot
+        snap = Snapshot(snapshot.replicas, view)
+        t0 = clock()
+        engine.policy.decide(snap, filled, engine.rng)
+        policy_us.append((clock() - t0) * 1e6)
+    return {"replicas": n, "policy_p50_us": pct(policy_us, 0.5), "policy_p99_us": pct(policy_us, 0.99),
+            "engine_p50_us": pct(engine_us, 0.5), "engine_p99_us": pct(engine_us, 0.99)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="coding-agent")
+    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = [measure(n, args.policy, args.decisions) for n in (8, 100, 1000)]
+    print(f"policy {args.policy}, {args.decisions} decisions each (half returning sessions, half new)")
+    print(f"{'replicas':>8} {'decide p50 us':>14} {'decide p99 us':>14} {'+index p50 us':>14} {'+index p99 us':>14}")
+    for r in rows:
+        print(f"{r['replicas']:>8} {r['policy_p50_us']:>14.1f} {r['policy_p99_us']:>14.1f} "
+              f"{r['engine_p50_us']:>14.1f} {r['engine_p99_us']:>14.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"policy": args.policy, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
