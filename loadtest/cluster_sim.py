@@ -226,6 +226,8 @@ class ClusterSimulator:
         if not batch:
             session = self._sessions.pop(idx)
             self.keys.forget(session.session_id)
+            # The session is over: the router forgets it (live, its idle TTL does the same).
+            self.table.forget(session.session_id)
             if self.arrivals is None and self.now < self.config.duration_s:
                 self._start_session(self.now)  # keep the session count: closed loop
             return

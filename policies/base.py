@@ -120,19 +120,17 @@ class Snapshot:
     def sample(
         self, request: RequestSummary, k: int, rng: random.Random, first: Iterable[str] = ()
     ) -> list[ReplicaView]:
-        """Up to `k` usable replicas: the ones named in `first` (if usable), then random others.
-        Scans the fleet only when it is small; a large one is sampled in O(k)."""
+        """Usable replicas to cost: the ones named in `first`, then, in a fleet larger than `4k`,
+        random others up to `k` in all (sampled in O(k)); a smaller fleet is returned whole."""
         chosen: dict[str, ReplicaView] = {}
         for rid in first:
             view = self.usable(rid, request)
             if view is not None and len(chosen) < k:
                 chosen[rid] = view
         n = len(self.replicas)
-        if n <= 2 * k:
-            pool = [r for r in self.candidates(request) if r.id not in chosen]
-            rng.shuffle(pool)
-            for view in pool[: k - len(chosen)]:
-                chosen[view.id] = view
+        if n <= 4 * k:  # small fleet: everyone is a candidate
+            for view in self.candidates(request):
+                chosen.setdefault(view.id, view)
             return list(chosen.values())
         for _ in range(4 * k):  # draws with replacement; unusable ones are skipped
             if len(chosen) >= k:

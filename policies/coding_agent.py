@@ -40,7 +40,7 @@ class CodingAgentParams(BaseModel):
     replica_max_token_usage: float = Field(0.92, gt=0, le=1.0, description="Home high-water: SGLang token_usage.")
     prefix_home_min_fraction: float = Field(0.5, ge=0, le=1.0, description="Keyless requests: cached share that makes a replica home.")
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
-    tie_tolerance: float = Field(0.05, ge=0, description="Relative cost gap still treated as a tie.")
+    tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
     sibling_new_tokens: int = Field(2000, ge=0, description="New tokens assumed per in-flight sibling request at home (its prefill runs first).")
@@ -104,10 +104,14 @@ class CodingAgent:
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
 
     def _pool(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> list[ReplicaView]:
-        """Replicas worth costing: every one holding part of the prefix (most cached first), then a
-        random sample up to `max_candidates`; the whole fleet when it is that small."""
-        holders = sorted(request.cached_tokens, key=lambda r: (-request.cached_tokens[r], r))
-        return snapshot.sample(request, self.params.max_candidates, rng, first=holders)
+        """Replicas worth costing: up to half of `max_candidates` holding the most of the prefix
+        (equal matches, such as a system prompt every replica holds, in random order), then a
+        random sample; the whole fleet when it is that small. Holders never crowd out the sample,
+        or a shared prefix would keep new sessions on the replicas that already have sessions."""
+        cached = request.cached_tokens
+        holders = sorted(cached, key=lambda r: (-cached[r], rng.random()))
+        half = self.params.max_candidates // 2
+        return snapshot.sample(request, self.params.max_candidates, rng, first=holders[:half])
 
     def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
         """Requests of the same session already at home are prefilled first: each costs about

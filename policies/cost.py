@@ -1,6 +1,8 @@
 """Expected time-to-first-token of a request on a replica: the quantity placement minimises.
 
-    cost = queueing + prefill(uncached | cached prefix) + host load-back + capacity penalty
+    cost = queueing + prefill(uncached | cached prefix) + host load-back
+         + KV demand (homed sessions' context / capacity) + homed sessions (their future load)
+         + capacity penalty (past capacity_target)
 
 Defaults are the roofline of the reference replica (Kimi K2.6 NVFP4 on 4xB200, see
 loadtest/profiles/kimi-k2.6-b200-tp4.yaml): 2 x 32e9 active FLOPs per token and 2.5e6 attention
@@ -26,6 +28,8 @@ class CostParams(BaseModel):
     default_capacity_tokens: int = Field(444_672, gt=0, description="KV capacity assumed until a replica reports max_total_num_tokens.")
     capacity_target: float = Field(0.9, gt=0, le=1.0, description="Fraction of KV capacity homed sessions may fill before the penalty starts.")
     capacity_weight: float = Field(1.0, ge=0, description="Weight of the re-prefill cost of KV this placement would push out.")
+    kv_demand_s: float = Field(0.5, ge=0, description="Cost (s) per full KV of context homed on the replica: spreads sessions' KV before any eviction.")
+    session_s: float = Field(0.2, ge=0, description="Cost (s) per session homed on the replica: each brings future requests (load).")
 
 
 def prefill_s(p: CostParams, uncached: int, cached: int) -> float:
@@ -45,9 +49,16 @@ def expected_cost(
     waiting = max(replica.num_queue_reqs or 0, load - p.max_running)
     cost += waiting * p.queue_s_per_waiting + min(load, p.max_running) * p.decode_s_per_running
 
+    # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
+    usage = replica.token_usage or 0.0
+    if usage > p.capacity_target:
+        cost += p.queue_s_per_waiting * (usage - p.capacity_target) / (1.0 - p.capacity_target + 1e-9)
+
     # KV the replica's homed sessions already need; a new session adds its whole context.
     capacity = replica.max_total_num_tokens or p.default_capacity_tokens
     demand = replica.homed_tokens + (0 if is_home else prompt)
+    cost += p.kv_demand_s * demand / capacity
+    cost += p.session_s * (replica.homed_sessions + (0 if is_home else 1))
     overflow = int(demand - p.capacity_target * capacity)
     if overflow > 0:  # that much cached context gets evicted and recomputed later
         cost += p.capacity_weight * prefill_s(p, overflow, 0)

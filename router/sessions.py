@@ -90,10 +90,14 @@ class SessionTable:
             self._account(e.home, -1, -e.tokens)
             e.home = None
 
+    def forget(self, key: str) -> None:
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._account(e.home, -1, -e.tokens)
+
     def expire(self, now: float) -> int:
         """Forget idle sessions past their TTL; returns how many."""
         dead = [k for k, e in self._entries.items() if e.in_flight == 0 and now - e.last_seen > self.ttl_s]
         for key in dead:
-            e = self._entries.pop(key)
-            self._account(e.home, -1, -e.tokens)
+            self.forget(key)
         return len(dead)
