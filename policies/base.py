@@ -153,6 +153,8 @@ class Policy(Protocol):
     """One synchronous call shape for every policy; `None` means no replica can take the request."""
 
     name: str
+    # Optional: `uses_affinity = True` says decisions follow session homes, so the control loop
+    # may move idle sessions' homes onto fresh replicas (baselines leave it out).
 
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random

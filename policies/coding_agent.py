@@ -49,6 +49,7 @@ class CodingAgentParams(BaseModel):
 
 class CodingAgent:
     name = "coding_agent"
+    uses_affinity = True  # its sessions have homes worth rebalancing onto fresh replicas
 
     def __init__(self, params: CodingAgentParams | None = None) -> None:
         self.params = params or CodingAgentParams()
@@ -109,7 +110,8 @@ class CodingAgent:
         random sample; the whole fleet when it is that small. Holders never crowd out the sample,
         or a shared prefix would keep new sessions on the replicas that already have sessions."""
         cached = request.cached_tokens
-        holders = sorted(cached, key=lambda r: (-cached[r], rng.random()))
+        ranked = sorted(cached.items(), key=lambda kv: (-kv[1], kv[0]))  # stable before drawing
+        holders = [r for _, _, r in sorted((-c, rng.random(), r) for r, c in ranked)]
         half = self.params.max_candidates // 2
         return snapshot.sample(request, self.params.max_candidates, rng, first=holders[:half])
 

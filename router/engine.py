@@ -56,9 +56,10 @@ class RoutingEngine:
         return True
 
     def remove_replica(self, url: str) -> None:
+        # Sessions keep the gone replica as home: their next request sees it missing and is
+        # rehomed by the policy (with a shared store, other routers see the same).
         self.registry.remove(url)
         self.index.forget(url)
-        self.table.drop_replica(url)
         self.fresh_since.pop(url, None)
 
     # -- per request ---------------------------------------------------------------------------
@@ -103,6 +104,8 @@ class RoutingEngine:
         """Fresh replicas still below the mean after `min_fresh_age_s` get idle sessions from the
         hottest replicas, cheapest to re-prefill (smallest context) first; never more than
         `max_moves`, and never a session with a request in flight."""
+        if not getattr(self.policy, "uses_affinity", False):
+            return []  # hash and load baselines ignore homes: moving one would change nothing
         views = [v for v in self.registry.snapshot().replicas if v.healthy]
         targets = [v for v in views if v.fresh and now - self.fresh_since.get(v.id, now) >= min_fresh_age_s]
         if not targets or max_moves <= 0:

@@ -56,7 +56,7 @@ class ShadowKVIndex:
             at_mid = holders.get(blocks[mid], empty) & at_lo
             stack.append((lo, mid, at_lo, at_mid))
             stack.append((mid, hi, at_mid, at_hi))
-        return matched
+        return dict(sorted(matched.items()))  # set order varies by process; results must not
 
     def record(self, replica: str, blocks: Sequence[int]) -> None:
         lru = self._lru.get(replica)

@@ -84,12 +84,6 @@ class SessionTable:
     def sessions_of(self, replica: str) -> list[tuple[str, SessionEntry]]:
         return [(k, e) for k, e in self._entries.items() if e.home == replica]
 
-    def drop_replica(self, replica: str) -> None:
-        """The replica is gone: its sessions lose their home and will be rehomed."""
-        for key, e in self.sessions_of(replica):
-            self._account(e.home, -1, -e.tokens)
-            e.home = None
-
     def forget(self, key: str) -> None:
         e = self._entries.pop(key, None)
         if e is not None:

@@ -1,0 +1,143 @@
+"""The fleet-scale scenarios behind docs/simulation.md, each a function of the cluster simulator.
+
+    python -m kvrouter.loadtest.scenarios [--quick] [--out docs/simulation.md]
+
+1. textbook: 250 sessions on 50 replicas; sessions per replica under consistent_hash vs coding-agent,
+   averaged over seeds and over the run (Poisson(5): 4.0% of replicas with <= 1, 0.55% with >= 12).
+2. scale-out: 40 -> 50 replicas mid-run; cache-hit rate and TTFT in the two minutes after the event.
+3. claude-code: the 15 public Claude Code sessions (two users each) replayed on a fleet too small
+   for all their KV; each policy's cache-hit rate against the trace's own reuse bound.
+4. performance: 1000 replicas x 5000 sessions x 10 simulated minutes; wall time and events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig
+from .report import summarize_requests
+from .simulate import markdown_table
+from .workload import load_workload
+
+POLICIES = ("coding-agent", "consistent-hash", "prefix-aware", "round-robin")
+SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka_claude_code"
+
+
+def textbook(seeds: int, duration_s: float = 300.0) -> tuple[str, dict[str, Any]]:
+    rows = {}
+    for policy in ("consistent-hash", "coding-agent"):
+        low, high, ratio, idle = [], [], [], []
+        for seed in range(seeds):
+            sim = ClusterSimulator(SimConfig(replicas=50, sessions=250, duration_s=duration_s,
+                                             seed=seed, drain_s=0), policy, load_workload("coding-agent"))
+            result = sim.run()
+            for sample in result["session_timeline"]:
+                low.append(sample["at_most_1_fraction"])
+                high.append(sample["at_least_12_fraction"])
+                ratio.append(sample["max"] / sample["mean"])
+                idle.append(1 if sample["min"] == 0 else 0)
+        rows[policy] = {
+            "replicas_with_at_most_1_session": statistics.mean(low),
+            "replicas_with_12_or_more": statistics.mean(high),
+            "max_over_mean_sessions_mean": statistics.mean(ratio),
+            "max_over_mean_sessions_worst": max(ratio),
+            "samples_with_an_idle_replica": statistics.mean(idle),
+        }
+    lines = ["| policy | replicas with <= 1 session | with >= 12 | sessions max/mean (mean) | (worst) | samples with an empty replica |",
+             "|---|---|---|---|---|---|"]
+    for policy, r in rows.items():
+        lines.append(f"| {policy} | {r['replicas_with_at_most_1_session']:.2%} | {r['replicas_with_12_or_more']:.2%} | "
+                     f"{r['max_over_mean_sessions_mean']:.2f} | {r['max_over_mean_sessions_worst']:.2f} | "
+                     f"{r['samples_with_an_idle_replica']:.1%} |")
+    lines.append("| Poisson(5) | 4.04% | 0.55% | | | |")
+    return "\n".join(lines), rows
+
+
+def scale_out(duration_s: float = 600.0, at_s: float = 300.0, window_s: float = 120.0) -> tuple[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for policy in ("coding-agent", "consistent-hash"):
+        config = SimConfig(replicas=40, sessions=250, duration_s=duration_s, seed=7,
+                           scale_events=(ScaleEvent(at_s, add=10),))
+        sim = ClusterSimulator(config, policy, load_workload("coding-agent"))
+        sim.run()
+        before = [r for r in sim.records if at_s - window_s <= r.start_s < at_s]
+        after = [r for r in sim.records if at_s <= r.start_s < at_s + window_s]
+        b = summarize_requests(before, 40, window_s)
+        a = summarize_requests(after, 50, window_s)
+        new = [f"replica-{i:04d}" for i in range(40, 50)]
+        results[policy] = {
+            "chr_before": b["cache_hit_rate"], "chr_after": a["cache_hit_rate"],
+            "ttft_p95_before_s": b["ttft_p95_s"], "ttft_p95_after_s": a["ttft_p95_s"],
+            "sessions_on_new_replicas_at_end": sum(sim.table.homed_sessions.get(u, 0) for u in new),
+            "sessions_moved_by_rebalance": sim.rebalanced,
+        }
+    lines = ["| policy | CHR before | CHR after | TTFT p95 before (s) | TTFT p95 after (s) | sessions on the 10 new replicas at end | moved by rebalance |",
+             "|---|---|---|---|---|---|---|"]
+    for policy, r in results.items():
+        lines.append(f"| {policy} | {r['chr_before']:.3f} | {r['chr_after']:.3f} | {r['ttft_p95_before_s']:.2f} | "
+                     f"{r['ttft_p95_after_s']:.2f} | {r['sessions_on_new_replicas_at_end']} | {r['sessions_moved_by_rebalance']} |")
+    return "\n".join(lines), results
+
+
+def claude_code(traces: Path, replicas: int = 4, duration_s: float = 1800.0) -> tuple[str, dict[str, Any]]:
+    from .traces import claude_code_arrivals, reuse_bound
+
+    def arrivals():
+        return claude_code_arrivals(traces, copies=2, max_context_tokens=262_144)
+
+    bound = reuse_bound(arrivals(), 64)
+    results: dict[str, dict[str, Any]] = {}
+    for policy in POLICIES:
+        sim = ClusterSimulator(SimConfig(replicas=replicas, duration_s=duration_s, seed=0, warmup_s=0,
+                                         warm_start=False), policy, load_workload("coding-agent"),
+                               arrivals=arrivals())
+        results[policy] = sim.run()
+    table = markdown_table(results)
+    return f"Reuse bound of the replayed requests (infinite cache): **{bound:.3f}**\n\n{table}", {
+        "reuse_bound": bound, "results": results}
+
+
+def performance(replicas: int = 1000, sessions: int = 5000, duration_s: float = 600.0) -> tuple[str, dict[str, Any]]:
+    started = time.perf_counter()
+    sim = ClusterSimulator(SimConfig(replicas=replicas, sessions=sessions, duration_s=duration_s, seed=1),
+                           "coding-agent", load_workload("coding-agent"))
+    result = sim.run()
+    wall = time.perf_counter() - started
+    row = {"wall_s": wall, "events": sim.events, "events_per_s": sim.events / wall,
+           "requests": result["requests_ok"] + result["requests_failed"]}
+    return (f"{replicas} replicas x {sessions} sessions x {duration_s:.0f} simulated s: "
+            f"{wall:.1f} s wall, {sim.events:,} events ({sim.events / wall:,.0f} events/s), "
+            f"{row['requests']:,} requests measured"), row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer seeds, skip the 1000-replica run")
+    parser.add_argument("--traces", type=Path, default=SHARED_TRACES)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    parts = []
+    text, _ = textbook(seeds=3 if args.quick else 10)
+    parts.append(("Textbook check: 250 sessions on 50 replicas", text))
+    text, _ = scale_out()
+    parts.append(("Scale-out: 40 -> 50 replicas at t=300 s (two-minute windows either side)", text))
+    if args.traces.is_dir():
+        text, _ = claude_code(args.traces)
+        parts.append(("Claude Code replay: 15 sessions x 2 users on 4 replicas", text))
+    if not args.quick:
+        text, _ = performance()
+        parts.append(("Performance", text))
+    doc = "\n\n".join(f"## {title}\n\n{body}" for title, body in parts)
+    print(doc)
+    if args.out:
+        args.out.write_text(doc + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
