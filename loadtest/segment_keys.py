@@ -69,13 +69,29 @@ class SegmentKeyCache:
         total = sum(sizes)
         page = self.page_size
         parent = keys[-1] if keys else self.root
-        # Walk segments once, emitting each page from `reuse_pages` on.
+        seg_hashes = [_segment_hash(n) for n in names]
+        mask = _MASK
         seg, seg_start = 0, 0  # index of the segment holding position `pos`, and where it starts
         pos = reuse_pages * page
         while seg < len(segments) and seg_start + sizes[seg] <= pos:
             seg_start += sizes[seg]
             seg += 1
         while pos + page <= total:
+            seg_end = seg_start + sizes[seg]
+            if pos + page <= seg_end:
+                # Fast path: a run of whole pages inside one segment (most of any prompt).
+                h0 = seg_hashes[seg]
+                while pos + page <= seg_end:
+                    lo = pos - seg_start
+                    h = ((parent & mask) ^ h0) * 0x9E3779B97F4A7C15 & mask
+                    h = (h ^ (h >> 29) ^ ((lo << 32) | (lo + page))) * 0xBF58476D1CE4E5B9 & mask
+                    h ^= h >> 32
+                    parent = h - (1 << 64) if h >> 63 else h
+                    keys.append(parent)
+                    pos += page
+                if pos == seg_end:
+                    seg_start, seg = seg_end, seg + 1
+                continue
             end = pos + page
             pieces: list[tuple[str, int, int]] = []
             s, s_start = seg, seg_start
