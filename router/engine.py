@@ -34,7 +34,9 @@ class RoutingEngine:
         index: ShadowKVIndex,
         table: SessionTable,
         rng: random.Random,
+        match_limit: int = 32,
     ) -> None:
+        self.match_limit = match_limit  # policies see the deepest prefix holders, not all of them
         self.policy = policy
         self.registry = registry
         self.index = index
@@ -67,7 +69,8 @@ class RoutingEngine:
         self, summary: RequestSummary, session: SessionView | None
     ) -> tuple[Decision | None, RequestSummary]:
         if summary.prefix_blocks:
-            summary = dataclasses.replace(summary, cached_tokens=self.index.match(summary.prefix_blocks))
+            matched = self.index.match(summary.prefix_blocks, self.match_limit)
+            summary = dataclasses.replace(summary, cached_tokens=matched)
         snapshot = self.registry.snapshot()
         if session is not None:
             snapshot = snapshot.with_session(session)

@@ -9,6 +9,7 @@ Synchronous and lock-free: the event loop is the only writer.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -25,13 +26,15 @@ class ShadowKVIndex:
         self._capacity_blocks[replica] = max(1, max_total_num_tokens // self.block_tokens)
         self._evict(replica)
 
-    def match(self, blocks: Sequence[int]) -> dict[str, int]:
-        """Tokens of the longest cached prefix of `blocks`, per replica holding any of it.
+    def match(self, blocks: Sequence[int], limit: int | None = None) -> dict[str, int]:
+        """Tokens of the longest cached prefix of `blocks` per replica holding any of it: all of
+        them, or the `limit` deepest (ties by id).
 
         Each replica's blocks are prefix-closed (a block is only ever evicted after its
         descendants), so the holder sets along `blocks` shrink monotonically. Bisecting on where
         they shrink costs O(breakpoints x log n) lookups instead of one set operation per block,
-        which matters when a shared system prompt is held by every replica of a large fleet.
+        and visiting deeper intervals first lets `limit` stop before the shallow breakpoint where
+        a shared system prompt's holders (possibly the whole fleet) drop out.
         """
         if not blocks:
             return {}
@@ -40,23 +43,32 @@ class ShadowKVIndex:
         first = holders.get(blocks[0], empty)
         if not first:
             return {}
+        cap = len(first) if limit is None else limit
+        matched: dict[str, int] = {}
+
+        def take(group: set[str], depth: int) -> None:
+            need = cap - len(matched)
+            chosen = group if len(group) <= need else heapq.nsmallest(need, group)
+            for replica in sorted(chosen):  # set order varies by process; results must not
+                matched[replica] = depth * self.block_tokens
+
         last_index = len(blocks) - 1
         last = holders.get(blocks[last_index], empty) & first
-        matched = dict.fromkeys(last, len(blocks) * self.block_tokens)
+        if last:
+            take(last, len(blocks))
         stack = [(0, last_index, first, last)]
-        while stack:
+        while stack and len(matched) < cap:
             lo, hi, at_lo, at_hi = stack.pop()
             if len(at_lo) == len(at_hi):
                 continue  # nobody stops holding between lo and hi
             if hi - lo == 1:
-                for replica in at_lo - at_hi:
-                    matched[replica] = hi * self.block_tokens
+                take(at_lo - at_hi, hi)
                 continue
             mid = (lo + hi) // 2
             at_mid = holders.get(blocks[mid], empty) & at_lo
             stack.append((lo, mid, at_lo, at_mid))
-            stack.append((mid, hi, at_mid, at_hi))
-        return dict(sorted(matched.items()))  # set order varies by process; results must not
+            stack.append((mid, hi, at_mid, at_hi))  # deeper half first
+        return matched
 
     def record(self, replica: str, blocks: Sequence[int]) -> None:
         lru = self._lru.get(replica)

@@ -140,3 +140,16 @@ def test_bisected_match_equals_a_block_by_block_walk():
             chain = rng.choice(chains)
             query = shared + chain[: rng.randrange(1, len(chain) + 1)] + [rng.getrandbits(60)]
             assert idx.match(query) == linear(idx, query)
+
+
+def test_match_limit_keeps_the_deepest_holders():
+    idx = ShadowKVIndex(64)
+    system = [1, 2, 3]
+    for r in range(50):  # the whole fleet holds the shared system prompt
+        idx.record(f"r{r:02d}", system)
+    idx.record("r07", system + [10, 11, 12])
+    idx.record("r31", system + [10])
+    full = idx.match(system + [10, 11, 12, 13])
+    assert len(full) == 50 and full["r07"] == 6 * 64 and full["r31"] == 4 * 64
+    top = idx.match(system + [10, 11, 12, 13], limit=3)
+    assert top == {"r07": 6 * 64, "r31": 4 * 64, "r00": 3 * 64}
