@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from array import array
@@ -50,6 +49,7 @@ from ..metrics.kv_events import (
     KVEventBatch,
     encode_batch,
     hash_hex_to_int64,
+    namespace_prior,
     pack_seq,
     page_hash_hex,
     unpack_seq,
@@ -68,11 +68,6 @@ def _should_bind(endpoint: str) -> bool:
         or "0.0.0.0" in endpoint
         or endpoint.startswith(("ipc://", "inproc://"))
     )
-
-
-def namespace_prior(namespace: str) -> str:
-    """Digest that seeds the hash chain of a non-default cache namespace (our approximation)."""
-    return hashlib.sha256(b"kvrouter-sim-namespace\x00" + namespace.encode("utf-8")).hexdigest()
 
 
 class KVHashTracker:

@@ -45,6 +45,7 @@ from prometheus_client.metrics_core import (
 )
 
 from ..metrics import sglang as sg
+from ..metrics.kv_events import request_namespace
 from . import tokenizer
 from .profiles import Profile, load_profile
 from .radix_cache import page_keys
@@ -105,6 +106,32 @@ def render_chat(messages: list[dict[str, Any]], tools: Any = None) -> str:
         out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     return "".join(out)
+
+
+def kv_token_ids(route: str, body: dict[str, Any]) -> list[int] | None:
+    """The token ids this simulated replica prefills for a request, or None if unknown.
+
+    A router tokenizer plug-in (``kv_events.tokenizer: kvrouter.loadtest.sim_server:kv_token_ids``):
+    same chat template and tokenizer as the handlers below, so the router's block hashes equal
+    the ones this replica publishes.
+    """
+    ids: Any = None
+    if route == "/v1/chat/completions":
+        messages = body.get("messages")
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            return tokenizer.encode(render_chat(messages, body.get("tools")))
+        return None
+    if route == "/v1/completions":
+        ids = body.get("prompt")
+        if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], (str, list)):
+            ids = ids[0]
+    elif route == "/generate":
+        ids = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+    if isinstance(ids, str):
+        return tokenizer.encode(ids)
+    if isinstance(ids, list) and ids and all(type(t) is int for t in ids):
+        return ids
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,12 +461,7 @@ class SimReplica:
         return "%032x" % self._rid_rng.getrandbits(128)
 
     def namespace(self, body: dict[str, Any]) -> str:
-        parts = [self.served_model_name]
-        for k in ("extra_key", "cache_salt", "lora_path"):
-            v = body.get(k)
-            if v not in (None, ""):
-                parts.append(f"{k}={v}")
-        return "\x1f".join(parts)
+        return request_namespace(self.served_model_name, body)
 
     def _seed_for(self, rid: str) -> int:
         h = hashlib.blake2b(f"{self.seed}\x1f{rid}".encode(), digest_size=8).digest()

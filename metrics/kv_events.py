@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -77,7 +79,11 @@ __all__ = [
     "hash_hex_to_int64",
     "block_hash_chain_hex",
     "block_hashes",
+    "full_page_hashes",
     "block_stored_events",
+    "NAMESPACE_FIELDS",
+    "request_namespace",
+    "namespace_prior",
 ]
 
 # StorageMedium values (kv_events.py).
@@ -417,6 +423,29 @@ def block_hashes(
     ]
 
 
+def full_page_hashes(
+    token_ids: Sequence[int], page_size: int, prior_hash_hex: Optional[str] = None
+) -> list[int]:
+    """:func:`block_hashes` of the full pages of plain int ids (``include_partial=False``),
+    ~50x faster: the router hashes every request on its event loop.
+
+    Raises OverflowError / TypeError for ids that are not uint32 ints.
+    """
+    if page_size <= 0:
+        raise ValueError("page_size must be positive")
+    words = array("I", token_ids)
+    if sys.byteorder == "big":
+        words.byteswap()  # SGLang hashes little-endian uint32
+    data = words.tobytes()
+    step = 4 * page_size
+    prior = bytes.fromhex(prior_hash_hex) if prior_hash_hex else b""
+    out = []
+    for start in range(0, len(data) - step + 1, step):
+        prior = hashlib.sha256(prior + data[start : start + step]).digest()
+        out.append(int.from_bytes(prior[:8], "big", signed=True))
+    return out
+
+
 def block_stored_events(
     token_ids: Sequence[TokenId],
     page_size: int,
@@ -451,3 +480,31 @@ def block_stored_events(
         )
         parent = bh
     return events
+
+
+# --------------------------------------------------------------------------------------
+# Cache namespaces (kvrouter's scheme, shared by the simulated publisher and the router)
+# --------------------------------------------------------------------------------------
+
+#: Request fields that put a request in its own cache namespace (SGLang never shares across).
+NAMESPACE_FIELDS = ("extra_key", "cache_salt", "lora_path")
+
+
+def request_namespace(model: str, body: dict) -> str:
+    """``model`` plus every set namespace field, as the simulated replica keys its cache."""
+    parts = [model]
+    for k in NAMESPACE_FIELDS:
+        v = body.get(k)
+        if v not in (None, ""):
+            parts.append(f"{k}={v}")
+    return "\x1f".join(parts)
+
+
+def namespace_prior(namespace: str) -> str:
+    """Digest seeding the hash chain of a non-default namespace.
+
+    SGLang seeds such chains too, but its function was not found (docs/sglang-fidelity.md
+    section 5), so this is kvrouter's own: the simulated publisher and the router's exact
+    index agree on it; real SGLang hashes of namespaced requests will not match it.
+    """
+    return hashlib.sha256(b"kvrouter-sim-namespace\x00" + namespace.encode("utf-8")).hexdigest()

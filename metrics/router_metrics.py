@@ -131,13 +131,27 @@ class RouterMetrics:
             "Idle sessions moved from hot replicas to fresh ones.",
             registry=r,
         )
+        self.kv_events = Counter(
+            "kvrouter_kv_events_total",
+            "SGLang KV events (BlockStored, BlockRemoved, AllBlocksCleared) applied to the exact index.",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_events_gaps = Counter(
+            "kvrouter_kv_events_gaps_total",
+            "Jumps in a replica's KV-event sequence (batches lost); replayed when possible, "
+            "else that replica's index was dropped.",
+            ["replica"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def forget_replica(self, replica: str) -> None:
         for metric in (self.in_flight, self.replica_healthy, self.poll_errors, self.signal_age,
-                       self.polled_running, self.polled_queued, self.polled_token_usage):
+                       self.polled_running, self.polled_queued, self.polled_token_usage,
+                       self.kv_events, self.kv_events_gaps):
             try:
                 metric.remove(replica)
             except KeyError:

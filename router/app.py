@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -22,12 +23,15 @@ from .config import RouterConfig
 from .engine import RoutingEngine
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
-from .kv_index import ShadowKVIndex
+from .kv_events_index import ExactKVIndex, request_blocks
+from .kv_events_subscriber import KVEventSubscriber
+from .kv_index import KVIndex, ShadowKVIndex
 from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
-from .summary import summarize
+from .summary import ExactBlocks, summarize
+from .tokenizers import load_tokenizer
 
 log = logging.getLogger("kvrouter")
 
@@ -51,9 +55,18 @@ class Router:
         self.metrics = RouterMetrics()
         self.registry = ReplicaRegistry(config.replicas, config.signals.failure_threshold)
         self.policy = policy or build_policy(config.policy.name, config.policy.params)
-        self.index = ShadowKVIndex(
-            block_tokens=max(1, config.routing.block_chars // 4),
-        )
+        self.index: KVIndex
+        self.kv_events: KVEventSubscriber | None = None
+        self._exact_blocks: ExactBlocks | None = None
+        kv = config.kv_events
+        if kv.enabled:
+            self.index = exact = ExactKVIndex(kv.page_size)
+            self.kv_events = KVEventSubscriber(exact, kv, self.metrics)
+            self._exact_blocks = functools.partial(
+                request_blocks, load_tokenizer(kv.tokenizer), page_size=kv.page_size
+            )
+        else:
+            self.index = ShadowKVIndex(block_tokens=max(1, config.routing.block_chars // 4))
         self.table = SessionTable(config.routing.session_ttl_s)
         self.engine = RoutingEngine(
             self.policy, self.registry, self.index, self.table, rng or random.Random()
@@ -95,12 +108,16 @@ class Router:
         if added:
             self.metrics.replica_healthy.labels(url).set(1)
             self.metrics.in_flight.labels(url).set(0)
+            if self.kv_events is not None:
+                self.kv_events.add(url)
         return added
 
     def remove_replica(self, url: str) -> bool:
         if url not in self.registry:
             return False
         self.engine.remove_replica(url)
+        if self.kv_events is not None:
+            self.kv_events.remove(url)
         self.metrics.forget_replica(url)
         return True
 
@@ -170,7 +187,11 @@ class Router:
             asyncio.create_task(self.poller.run(self.relay.session), name="signal-poller"),
             asyncio.create_task(self.housekeeping(), name="housekeeping"),
         ]
+        if self.kv_events is not None:
+            self.kv_events.start(self.registry.urls())
         yield
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -225,7 +246,7 @@ class Router:
             return error_response(
                 400, "request body must be a JSON object", "invalid_request_error", rid_header
             )
-        summary = summarize(route, parsed, request.headers, self.config.routing)
+        summary = summarize(route, parsed, request.headers, self.config.routing, self._exact_blocks)
         return await self.relay.forward(request, body, summary, request_id)
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:

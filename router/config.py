@@ -18,6 +18,7 @@ from pydantic import (
 from yarl import URL
 
 from ..policies.registry import build_policy, policy_names
+from .tokenizers import load_tokenizer
 
 
 class ConfigError(Exception):
@@ -93,6 +94,50 @@ class RoutingConfig(_Strict):
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
 
 
+class KVEventEndpoint(_Strict):
+    endpoint: str = Field(..., description="ZMQ endpoint of the replica's KV-event PUB socket, e.g. tcp://10.0.0.5:5557.")
+    replay_endpoint: str | None = Field(None, description="ZMQ endpoint of its replay ROUTER socket, if any.")
+
+
+class KVEventsConfig(_Strict):
+    """Exact KV index from SGLang's KV events (`--kv-events-config '{"publisher":"zmq",...}'`)."""
+
+    enabled: bool = Field(
+        False, description="Subscribe to every replica's KV events and route on the exact index "
+        "instead of the approximate shadow index.",
+    )
+    port: int = Field(5557, ge=1, le=65535, description="Each replica's KV-event PUB port: the router connects to tcp://<replica host>:<port>.")
+    replay_port: int | None = Field(
+        None, ge=1, le=65535, description="Each replica's replay ROUTER port (SGLang `replay_endpoint`); "
+        "missed batches are fetched from it, else a gap drops that replica's index.",
+    )
+    topic: str = Field("kv-events", description="Topic to subscribe to (SGLang's `topic`; \"\" = everything).")
+    page_size: int = Field(64, ge=1, description="The replicas' --page-size: tokens per published block.")
+    tokenizer: str = Field(
+        "kvrouter.router.tokenizers:input_ids",
+        description="Import path module:function of `(route, body) -> list[int] | None`: the token "
+        "ids the engine will prefill (its chat template + tokenizer). None = no prefix info.",
+    )
+    endpoints: dict[ReplicaUrl, KVEventEndpoint] = Field(
+        default_factory=dict,
+        description="Per-replica endpoints overriding port/replay_port (e.g. several replicas on one host).",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        module, sep, name = value.partition(":")
+        if not (module and sep and name):
+            raise ValueError(f"{value!r} is not an import path module:function")
+        return value
+
+    @model_validator(mode="after")
+    def _tokenizer_importable(self) -> "KVEventsConfig":
+        if self.enabled:
+            load_tokenizer(self.tokenizer)  # fail at load time, naming the key, not per request
+        return self
+
+
 class AffinityConfig(_Strict):
     store: Literal["memory", "redis"] = Field("memory", description="Where session homes live.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS) URL.")
@@ -128,6 +173,7 @@ class RouterConfig(_Strict):
     signals: SignalsConfig = SignalsConfig()
     routing: RoutingConfig = RoutingConfig()
     affinity: AffinityConfig = AffinityConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
 
 def _one_line(err: ValidationError) -> str:

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
-from .kv_index import ShadowKVIndex
+from .kv_index import KVIndex
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -31,7 +31,7 @@ class RoutingEngine:
         self,
         policy: Policy,
         registry: ReplicaRegistry,
-        index: ShadowKVIndex,
+        index: KVIndex,
         table: SessionTable,
         rng: random.Random,
         match_limit: int = 32,
@@ -70,7 +70,8 @@ class RoutingEngine:
     ) -> tuple[Decision | None, RequestSummary]:
         if summary.prefix_blocks:
             matched = self.index.match(summary.prefix_blocks, self.match_limit)
-            summary = dataclasses.replace(summary, cached_tokens=matched)
+            on_host = self.index.match_host(summary.prefix_blocks, self.match_limit)
+            summary = dataclasses.replace(summary, cached_tokens=matched, host_cached_tokens=on_host)
         snapshot = self.registry.snapshot()
         if session is not None:
             snapshot = snapshot.with_session(session)

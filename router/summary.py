@@ -5,7 +5,7 @@ Parses only what routing uses; the body bytes themselves are forwarded untouched
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..policies.base import RequestSummary
@@ -15,15 +15,32 @@ from .prefix import block_hashes, namespace, prompt_bytes, session_key
 BYTES_PER_TOKEN = 4  # ~4 characters per token for code and English; token ids are 4 bytes each
 
 
+# (route, body) -> (prompt tokens, SGLang block hashes) or None: see kv_events_index.request_blocks.
+ExactBlocks = Callable[[str, dict[str, Any]], "tuple[int, tuple[int, ...]] | None"]
+
+
 def summarize(
-    route: str, body: dict[str, Any], headers: Mapping[str, str], config: RoutingConfig
+    route: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str],
+    config: RoutingConfig,
+    exact: ExactBlocks | None = None,
 ) -> RequestSummary:
+    """With `exact` (KV events on), prefix blocks are SGLang's block hashes of the request's
+    token ids, or none when its tokenizer cannot tell: text blocks would match nothing in the
+    exact index, so such a request is placed on session affinity and load alone."""
     model = body.get("model")
-    data = prompt_bytes(route, body)
+    exact_blocks = exact(route, body) if exact is not None else None
+    if exact_blocks is not None:
+        prompt_tokens, blocks = exact_blocks
+    else:
+        data = prompt_bytes(route, body)
+        prompt_tokens = len(data) // BYTES_PER_TOKEN
+        blocks = () if exact is not None else block_hashes(data, namespace(body), config.block_chars)
     return RequestSummary(
         route=route,
         session_key=session_key(headers, body, config.session_headers, config.session_fields),
-        prompt_tokens=len(data) // BYTES_PER_TOKEN,
+        prompt_tokens=prompt_tokens,
         model=model if isinstance(model, str) else None,
-        prefix_blocks=block_hashes(data, namespace(body), config.block_chars),
+        prefix_blocks=blocks,
     )
