@@ -135,6 +135,7 @@ class ClusterSimulator:
         self.engine = RoutingEngine(
             build_policy(policy, config.policy_params), self.registry, self.index, self.table,
             random.Random(f"policy:{config.seed}"),
+            default_capacity_tokens=self.profile.max_total_num_tokens,
         )
         self.table._on_change = self.engine.sync_homed
         self.models: dict[str, ReplicaModel] = {}

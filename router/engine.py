@@ -35,7 +35,9 @@ class RoutingEngine:
         table: SessionTable,
         rng: random.Random,
         match_limit: int = 32,
+        default_capacity_tokens: int = 444_672,
     ) -> None:
+        self.default_capacity_tokens = default_capacity_tokens  # until a replica reports its own
         self.match_limit = match_limit  # policies see the deepest prefix holders, not all of them
         self.policy = policy
         self.registry = registry
@@ -104,23 +106,54 @@ class RoutingEngine:
                 self.registry.mark_settled(view.id)
                 self.fresh_since.pop(view.id, None)
 
-    def plan_rebalance(self, now: float, min_fresh_age_s: float, max_moves: int) -> list[Move]:
-        """Fresh replicas still below the mean after `min_fresh_age_s` get idle sessions from the
-        hottest replicas, cheapest to re-prefill (smallest context) first; never more than
-        `max_moves`, and never a session with a request in flight."""
-        if not getattr(self.policy, "uses_affinity", False):
+    def plan_rebalance(
+        self, now: float, min_fresh_age_s: float, max_moves: int, capacity_target: float = 0.9
+    ) -> list[Move]:
+        """At most `max_moves` idle sessions to move (never one with a request in flight):
+        1. onto fresh replicas still below the mean after `min_fresh_age_s`, from the hottest
+           replicas, smallest context (cheapest re-prefill) first;
+        2. off replicas whose homed sessions need more KV than `capacity_target` of their capacity
+           (sessions grow turn by turn), least recently active first: under LRU their cache is the
+           one already evicted, so the move costs them nothing extra."""
+        if not getattr(self.policy, "uses_affinity", False) or max_moves <= 0:
             return []  # hash and load baselines ignore homes: moving one would change nothing
         views = [v for v in self.registry.snapshot().replicas if v.healthy]
-        targets = [v for v in views if v.fresh and now - self.fresh_since.get(v.id, now) >= min_fresh_age_s]
-        if not targets or max_moves <= 0:
+        if not views:
             return []
-        mean_tokens = sum(v.homed_tokens for v in views) / len(views)
-        target_tokens = {v.id: v.homed_tokens for v in targets}
-        moves: list[Move] = []
-        for hot in sorted(views, key=lambda v: -v.homed_tokens):
-            if hot.fresh or hot.homed_tokens <= mean_tokens or len(moves) >= max_moves:
+        demand = {v.id: v.homed_tokens for v in views}
+        moves = self._fill_fresh(views, demand, now, min_fresh_age_s, max_moves)
+        moved = {m.session for m in moves}
+        capacity = {v.id: capacity_target * (v.max_total_num_tokens or self.default_capacity_tokens)
+                    for v in views}
+        for hot in sorted(views, key=lambda v: -demand[v.id] / capacity[v.id]):
+            if demand[hot.id] <= capacity[hot.id] or len(moves) >= max_moves:
                 break
-            spare = hot.homed_tokens - mean_tokens
+            idle = sorted((e.last_seen, e.tokens, k) for k, e in self.table.sessions_of(hot.id)
+                          if e.in_flight == 0 and k not in moved)
+            for _, tokens, key in idle:
+                if demand[hot.id] <= capacity[hot.id] or len(moves) >= max_moves:
+                    break
+                target = min(views, key=lambda v: (demand[v.id] / capacity[v.id], v.id))
+                if target.id == hot.id or demand[target.id] + tokens > capacity[target.id]:
+                    break
+                moves.append(Move(key, hot.id, target.id))
+                demand[hot.id] -= tokens
+                demand[target.id] += tokens
+        return moves
+
+    def _fill_fresh(
+        self, views: list, demand: dict[str, int], now: float, min_fresh_age_s: float, max_moves: int
+    ) -> list[Move]:
+        targets = [v for v in views if v.fresh and now - self.fresh_since.get(v.id, now) >= min_fresh_age_s]
+        if not targets:
+            return []
+        mean_tokens = sum(demand.values()) / len(views)
+        target_tokens = {v.id: demand[v.id] for v in targets}
+        moves: list[Move] = []
+        for hot in sorted(views, key=lambda v: -demand[v.id]):
+            if hot.fresh or demand[hot.id] <= mean_tokens or len(moves) >= max_moves:
+                break
+            spare = demand[hot.id] - mean_tokens
             idle = sorted((e.tokens, k) for k, e in self.table.sessions_of(hot.id) if e.in_flight == 0)
             for tokens, key in idle:
                 if len(moves) >= max_moves or tokens > spare:
@@ -130,5 +163,7 @@ class RoutingEngine:
                     return moves
                 moves.append(Move(key, hot.id, target))
                 target_tokens[target] += tokens
+                demand[hot.id] -= tokens
+                demand[target] += tokens
                 spare -= tokens
         return moves
