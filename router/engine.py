@@ -123,6 +123,10 @@ class RoutingEngine:
         demand = {v.id: v.homed_tokens for v in views}
         moves = self._fill_fresh(views, demand, now, min_fresh_age_s, max_moves)
         moved = {m.session for m in moves}
+        sessions = {v.id: v.homed_sessions for v in views}
+        for m in moves:
+            sessions[m.source] -= 1
+            sessions[m.target] += 1
         capacity = {v.id: capacity_target * (v.max_total_num_tokens or self.default_capacity_tokens)
                     for v in views}
         for hot in sorted(views, key=lambda v: -demand[v.id] / capacity[v.id]):
@@ -133,12 +137,16 @@ class RoutingEngine:
             for _, tokens, key in idle:
                 if demand[hot.id] <= capacity[hot.id] or len(moves) >= max_moves:
                     break
-                target = min(views, key=lambda v: (demand[v.id] / capacity[v.id], v.id))
-                if target.id == hot.id or demand[target.id] + tokens > capacity[target.id]:
+                # The replica with room for it and the fewest sessions (sessions bring load).
+                roomy = [v for v in views if v.id != hot.id and demand[v.id] + tokens <= capacity[v.id]]
+                if not roomy:
                     break
+                target = min(roomy, key=lambda v: (sessions[v.id], demand[v.id] / capacity[v.id], v.id))
                 moves.append(Move(key, hot.id, target.id))
                 demand[hot.id] -= tokens
                 demand[target.id] += tokens
+                sessions[hot.id] -= 1
+                sessions[target.id] += 1
         return moves
 
     def _fill_fresh(
