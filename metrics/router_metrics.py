@@ -145,6 +145,19 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.discovery_replicas = Gauge(
+            "kvrouter_discovery_replicas",
+            "Replicas the discovery source currently lists (file, dns, kubernetes).",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_errors = Counter(
+            "kvrouter_discovery_errors_total",
+            "Failed discovery refreshes (the source keeps its last known replicas).",
+            ["source"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

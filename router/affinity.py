@@ -125,6 +125,7 @@ class RedisAffinityStore:
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[str], None] | None = None,
+        password: str | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -143,6 +144,7 @@ class RedisAffinityStore:
         self.redis = aioredis.Redis.from_url(
             url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
             retry_on_timeout=False, health_check_interval=0,
+            **({"password": password} if password else {}),
         )
         self._get = self.redis.register_script(_GET)
         self._begin = self.redis.register_script(_BEGIN)

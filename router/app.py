@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,8 @@ from ..metrics.sglang import ReplicaSignals
 from ..policies.base import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
-from .config import RouterConfig
+from .config import RouterConfig, normalize_replica_url
+from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
@@ -28,6 +30,7 @@ from .kv_events_subscriber import KVEventSubscriber
 from .kv_index import KVIndex, ShadowKVIndex
 from .poller import SignalPoller
 from .relay import Relay
+from .security import KeyLimiter, bearer_token, constant_time_in, load_api_keys, redact_url
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 from .summary import ExactBlocks, summarize
@@ -36,6 +39,7 @@ from .tokenizers import load_tokenizer
 log = logging.getLogger("kvrouter")
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})  # never behind client API keys
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -73,8 +77,20 @@ class Router:
         )
         self.table._on_change = self.engine.sync_homed
         self.affinity = self._make_affinity_store()
+        self.shutting_down = False  # SIGTERM: /ready 503 and no new requests
+        self.api_keys = load_api_keys(config.auth)
+        self.key_limiter = KeyLimiter(config.auth.max_concurrent_per_key)
+        inject: dict[str, str] = {}
+        drop = [config.routing.target_hint_header]
+        if config.upstream.api_key_env:
+            upstream_key = os.environ.get(config.upstream.api_key_env, "")
+            if upstream_key:
+                inject["Authorization"] = f"Bearer {upstream_key}"
+        if self.api_keys or inject:
+            drop.append("authorization")  # the client's key is for the router, not the replicas
         self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock,
-                           replica_header=config.server.replica_header)
+                           replica_header=config.server.replica_header,
+                           drop_headers=tuple(drop), inject_headers=inject)
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
@@ -86,10 +102,12 @@ class Router:
         a = self.config.affinity
         if a.store == "memory":
             return MemoryAffinityStore(self.table, self.clock)
+        log.info("affinity store: redis %s prefix %r", redact_url(a.redis_url), a.key_prefix)
         return RedisAffinityStore(
             self.table, a.redis_url, key_prefix=a.key_prefix, ttl_s=a.ttl_s, lease_s=a.lease_s,
             op_timeout_s=a.op_timeout_s, retry_after_s=a.retry_after_s, clock=self.clock,
             on_error=lambda op: self.metrics.affinity_errors.labels(op).inc(),
+            password=os.environ.get(a.password_env) if a.password_env else None,
         )
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
@@ -121,6 +139,22 @@ class Router:
         self.metrics.forget_replica(url)
         return True
 
+    def drain(self, url: str) -> bool:
+        """No new requests to `url`; it is removed once its in-flight requests have finished."""
+        if not self.registry.drain(url):
+            return False
+        self.metrics.replica_healthy.labels(url).set(0)
+        log.info("replica %s draining", url)
+        return True
+
+    def remove_drained(self) -> list[str]:
+        done = [u for u in list(self.registry.draining)
+                if (v := self.registry.view(u)) is not None and v.in_flight == 0]
+        for url in done:
+            self.remove_replica(url)
+            log.info("replica %s drained and removed", url)
+        return done
+
     def reload(self, config: RouterConfig) -> list[str]:
         """Apply a new config without dropping requests: the policy is swapped between two
         decisions and replicas are added (fresh) or removed (in-flight requests finish).
@@ -150,6 +184,7 @@ class Router:
             await asyncio.sleep(1.0)
             now = self.clock()
             self.table.expire(now)
+            self.remove_drained()
             self.engine.settle_fresh()
             _, max_over_mean, cv = self.engine.load_stats()
             self.metrics.load_max_over_mean.set(max_over_mean)
@@ -168,15 +203,20 @@ class Router:
     def build_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.server.max_body_bytes,
-            middlewares=[self._errors_middleware],
+            middlewares=[self._errors_middleware, self._auth_middleware],
         )
+        expect = {"expect_handler": self._expect}
         for route in INFERENCE_ROUTES:
-            app.router.add_post(route, self.handle_inference)
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/ready", self.handle_ready)
-        app.router.add_get("/metrics", self.handle_metrics)
+            app.router.add_post(route, self.handle_inference, **expect)
+        app.router.add_get("/v1/models", self.handle_models, **expect)
+        app.router.add_get("/health", self.handle_health, **expect)
+        app.router.add_get("/ready", self.handle_ready, **expect)
+        app.router.add_get("/metrics", self.handle_metrics, **expect)
+        # Last: unknown paths and methods get their 404/405 here, inside the middlewares, and
+        # with our Expect handler (aiohttp's own runs before middlewares and can fail with 500).
+        app.router.add_route("*", "/{tail:.*}", self.handle_unrouted, **expect)
         app.cleanup_ctx.append(self._lifecycle)
+        app.cleanup_ctx.append(discovery_ctx(self))  # after _lifecycle: stops first
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -212,9 +252,39 @@ class Router:
             message = exc.reason if exc.status != 413 else (
                 f"request body exceeds {self.config.server.max_body_bytes} bytes"
             )
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
             return error_response(
-                exc.status, message, kinds.get(exc.status, "invalid_request_error")
+                exc.status, message, kinds.get(exc.status, "invalid_request_error"), allow
             )
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:  # a bug must still answer in the API's shape, and never kill the loop
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(500, "internal router error", "internal_error")
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Client API keys (when configured): constant-time check, then a per-key in-flight limit."""
+        if not self.api_keys or request.path in OPEN_ROUTES:
+            return await handler(request)
+        token = bearer_token(request.headers)
+        key = constant_time_in(token, self.api_keys) if token is not None else None
+        if key is None:
+            return error_response(401, "invalid or missing API key", "invalid_request_error",
+                                  {"WWW-Authenticate": "Bearer"})
+        if request.path not in INFERENCE_ROUTES:
+            return await handler(request)
+        if not self.key_limiter.acquire(key):
+            retry = str(self.config.auth.retry_after_s)
+            return error_response(
+                429, f"too many concurrent requests for this API key "
+                f"(limit {self.config.auth.max_concurrent_per_key})",
+                "rate_limit_error", {"Retry-After": retry},
+            )
+        try:
+            return await handler(request)
+        finally:
+            self.key_limiter.release(key)
 
     # -- handlers -------------------------------------------------------------------------------
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
@@ -237,7 +307,15 @@ class Router:
         self, request: web.Request, route: str, request_id: str
     ) -> web.StreamResponse:
         rid_header = {REQUEST_ID: request_id}
-        body = await request.read()  # 413 (via middleware) above max_body_bytes
+        if self.shutting_down:
+            return error_response(503, "router is shutting down", "service_unavailable",
+                                  {**rid_header, "Retry-After": "1", "Connection": "close"})
+        try:
+            async with asyncio.timeout(self.config.server.client_body_timeout_s):
+                body = await request.read()  # 413 (via middleware) above max_body_bytes
+        except TimeoutError:
+            return error_response(408, "request body not received in time", "invalid_request_error",
+                                  {**rid_header, "Connection": "close"})
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError as err:
@@ -246,8 +324,32 @@ class Router:
             return error_response(
                 400, "request body must be a JSON object", "invalid_request_error", rid_header
             )
+        target = None
+        routing = self.config.routing
+        if routing.allow_target_hint:
+            hint = request.headers.get(routing.target_hint_header)
+            if hint is None:
+                hint = parsed.get(routing.target_hint_field)
+            if hint is not None:
+                target = self._known_replica(hint)
+                if target is None:  # never an outbound request to a URL a client made up
+                    return error_response(400, "target worker is not a known replica",
+                                          "invalid_request_error", rid_header)
+                view = self.registry.view(target)
+                if view is None or not view.healthy:
+                    return error_response(503, "target worker is not available", "service_unavailable",
+                                          {**rid_header, "Retry-After": "1"})
         summary = summarize(route, parsed, request.headers, self.config.routing, self._exact_blocks)
-        return await self.relay.forward(request, body, summary, request_id)
+        return await self.relay.forward(request, body, summary, request_id, target)
+
+    def _known_replica(self, hint: object) -> str | None:
+        if not isinstance(hint, str) or len(hint) > 2048:
+            return None
+        try:
+            url = normalize_replica_url(hint)
+        except (ValueError, TypeError):
+            return None
+        return url if url in self.registry else None
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         """The union of every healthy replica's /v1/models, queried concurrently."""
@@ -281,14 +383,34 @@ class Router:
             content_type="application/json",
         )
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` is honoured; any other expectation is a JSON 417."""
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0
+            return None
+        return error_response(417, "unsupported Expect header (only 100-continue)",
+                              "invalid_request_error", {"Connection": "close"})
+
+    async def handle_unrouted(self, request: web.Request) -> web.StreamResponse:
+        allowed = sorted({
+            r.method for r in request.app.router.routes()
+            if r.method != "*" and r.resource is not None and r.resource.canonical == request.path
+        })
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
+
     async def handle_health(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
     async def handle_ready(self, request: web.Request) -> web.StreamResponse:
         healthy = sum(1 for v in self.registry.snapshot().replicas if v.healthy)
-        body = orjson.dumps({"ready": healthy > 0, "healthy_replicas": healthy,
-                             "replicas": len(self.registry)})
-        return web.Response(status=200 if healthy else 503, body=body,
+        ready = healthy > 0 and not self.shutting_down
+        body = orjson.dumps({"ready": ready, "healthy_replicas": healthy,
+                             "replicas": len(self.registry), "shutting_down": self.shutting_down})
+        return web.Response(status=200 if ready else 503, body=body,
                             content_type="application/json")
 
     async def handle_metrics(self, request: web.Request) -> web.StreamResponse:

@@ -18,6 +18,7 @@ from pydantic import (
 from yarl import URL
 
 from ..policies.registry import build_policy, policy_names
+from .discovery_config import DiscoveryConfig
 from .tokenizers import load_tokenizer
 
 
@@ -53,6 +54,20 @@ class ServerConfig(_Strict):
     replica_header: bool = Field(
         False, description="Name the serving replica in an x-kvrouter-replica response header (load tests)."
     )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, in-flight requests get this long to finish before they are cut."
+    )
+    shutdown_delay_s: float = Field(
+        0.0, ge=0, description="On SIGTERM, keep the listener open this long answering /ready 503 "
+        "(and new requests 503) so load balancers notice, before it closes.",
+    )
+    client_header_timeout_s: float = Field(
+        15.0, gt=0, description="A connection must deliver complete request headers within this "
+        "(also the idle keep-alive timeout): bounds slowloris clients.",
+    )
+    client_body_timeout_s: float = Field(
+        60.0, gt=0, description="Reading a request body taking longer than this answers 408."
+    )
 
 
 class UpstreamConfig(_Strict):
@@ -65,6 +80,10 @@ class UpstreamConfig(_Strict):
     )
     retry_statuses: tuple[int, ...] = Field(
         (502, 503), description="Upstream statuses retried on another replica (before first byte)."
+    )
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding a key the router sends to every replica as "
+        "`Authorization: Bearer <key>` (SGLang --api-key); never logged or echoed.",
     )
 
 
@@ -92,6 +111,12 @@ class RoutingConfig(_Strict):
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
     rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
+    allow_target_hint: bool = Field(
+        False, description="Honour a client's choice of replica (header or body field), only among "
+        "known replicas (unknown -> 400). Off: the header is ignored and stripped.",
+    )
+    target_hint_header: str = Field("x-smg-target-worker", description="Header naming the replica URL.")
+    target_hint_field: str = Field("target_worker", description="Body field naming the replica URL.")
 
 
 class KVEventEndpoint(_Strict):
@@ -141,6 +166,10 @@ class KVEventsConfig(_Strict):
 class AffinityConfig(_Strict):
     store: Literal["memory", "redis"] = Field("memory", description="Where session homes live.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS) URL.")
+    password_env: str | None = Field(
+        None, description="Environment variable holding the Redis AUTH password (instead of putting "
+        "it in redis_url); never logged.",
+    )
     key_prefix: str = Field("kvrouter:", description="Prefix of every Redis key (isolation).")
     ttl_s: int = Field(3600, ge=1, description="Session key TTL, refreshed on use.")
     lease_s: float = Field(10.0, gt=0, description="A router's in-flight counts expire this long after its last heartbeat.")
@@ -165,6 +194,31 @@ class PolicyConfig(_Strict):
         return self
 
 
+class AdminConfig(_Strict):
+    """Admin API (replicas, drain, reload, state) on its own port, behind a bearer token."""
+
+    enabled: bool = Field(True, description="Serve the admin API (only if the token variable is set).")
+    host: str = Field("127.0.0.1", description="Admin port bind address.")
+    port: int = Field(8001, ge=0, le=65535, description="Admin port (0 picks a free port).")
+    token_env: str = Field(
+        "KVROUTER_ADMIN_TOKEN", description="Environment variable holding the bearer token; "
+        "unset or empty disables the admin API.",
+    )
+
+
+class AuthConfig(_Strict):
+    """Optional client API keys (`Authorization: Bearer <key>`) and per-key concurrency limits."""
+
+    api_keys_env: str | None = Field(
+        None, description="Environment variable holding comma-separated client API keys."
+    )
+    api_keys_file: str | None = Field(None, description="File with one client API key per line.")
+    max_concurrent_per_key: int = Field(
+        0, ge=0, description="In-flight requests per key; above it 429 with Retry-After (0 = no limit)."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429.")
+
+
 class RouterConfig(_Strict):
     server: ServerConfig = ServerConfig()
     replicas: tuple[ReplicaUrl, ...] = Field((), description="Static replica base URLs.")
@@ -174,6 +228,9 @@ class RouterConfig(_Strict):
     routing: RoutingConfig = RoutingConfig()
     affinity: AffinityConfig = AffinityConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 def _one_line(err: ValidationError) -> str:

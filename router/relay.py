@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import RequestSummary, SessionView
+from ..policies.base import Decision, RequestSummary, SessionView
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine
@@ -64,8 +64,14 @@ class Relay:
         config: UpstreamConfig,
         clock: Callable[[], float] = time.monotonic,
         replica_header: bool = False,
+        drop_headers: tuple[str, ...] = (),
+        inject_headers: dict[str, str] | None = None,
     ) -> None:
         self.replica_header = replica_header
+        # Client headers never forwarded (routing hints, the client's own API key) and headers
+        # the router adds to every upstream request (its replica credentials).
+        self.drop_headers = drop_headers
+        self.inject_headers = dict(inject_headers or {})
         self.engine = engine
         self.registry = engine.registry
         self.affinity = affinity
@@ -85,6 +91,7 @@ class Relay:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             timeout=self.timeout,
+            headers=self.inject_headers,  # also on polls and /v1/models
         )
 
     async def close(self) -> None:
@@ -97,13 +104,15 @@ class Relay:
         body: bytes,
         summary: RequestSummary,
         request_id: str,
+        target: str | None = None,
     ) -> web.StreamResponse:
-        """Route and relay one client request; the session's in-flight count spans all attempts."""
+        """Route and relay one client request; the session's in-flight count spans all attempts.
+        `target` (a validated, known replica from a routing hint) bypasses the policy."""
         key = summary.session_key
         session = await self.affinity.get(key) if key is not None else None
         began = [False]
         try:
-            return await self._attempts(request, body, summary, request_id, session, began)
+            return await self._attempts(request, body, summary, request_id, session, began, target)
         finally:
             if key is not None and began[0]:
                 await self.affinity.end(key)
@@ -116,9 +125,11 @@ class Relay:
         request_id: str,
         session: SessionView | None,
         began: list[bool],
+        target: str | None = None,
     ) -> web.StreamResponse:
         assert self.session is not None, "Relay.start() not called"
-        headers = end_to_end(request.headers)
+        headers = end_to_end(request.headers, self.drop_headers)
+        headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
         tried: set[str] = set()
         last_problem = "no healthy replica"
@@ -126,7 +137,12 @@ class Relay:
         for attempt in range(self.config.max_attempts):
             if tried:
                 summary = dataclasses.replace(summary, exclude=frozenset(tried))
-            decision, summary = self.engine.decide(summary, session)
+            if target is not None:
+                if attempt:
+                    break  # a hinted request goes to its target or nowhere
+                decision: Decision | None = Decision(target, "target_hint")
+            else:
+                decision, summary = self.engine.decide(summary, session)
             if decision is None:
                 break
             url = decision.replica
@@ -135,7 +151,7 @@ class Relay:
                 # A session without a home gets the replica of its first request (policies that
                 # do not assign homes too, so sessions per replica can be counted for every policy).
                 home = await self.affinity.begin(
-                    summary.session_key, decision.home or url,
+                    summary.session_key, decision.home or (url if target is None else None),
                     force=decision.reason == "rehome", tokens=summary.prompt_tokens,
                 )
                 if decision.home is not None and home not in (None, url) and home in self.registry:

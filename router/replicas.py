@@ -32,6 +32,7 @@ class ReplicaRegistry:
         self._healthy_count = 0
         self._fresh: dict[str, None] = {}
         self._epoch = 0
+        self.draining: set[str] = set()  # no new work; removed once their in-flight ends
         for url in urls:
             self.add(url, fresh=False)
 
@@ -53,6 +54,7 @@ class ReplicaRegistry:
             return False
         self._account(view, -1)
         self._failures.pop(url, None)
+        self.draining.discard(url)
         self._epoch += 1
         self._snapshot = None
         return True
@@ -141,9 +143,18 @@ class ReplicaRegistry:
             )
 
     # -- health -----------------------------------------------------------------------------
+    def drain(self, url: str) -> bool:
+        """Take no new work on `url` (it looks unhealthy to policies); in-flight requests go on."""
+        if url not in self._views:
+            return False
+        self.draining.add(url)
+        if self._views[url].healthy:
+            self._update(url, healthy=False)
+        return True
+
     def record_success(self, url: str) -> bool:
         """A probe or request reached the replica. Returns True if it just became healthy."""
-        if url not in self._views:
+        if url not in self._views or url in self.draining:
             return False
         self._failures[url] = 0
         if not self._views[url].healthy:

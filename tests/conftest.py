@@ -69,3 +69,71 @@ def redis_server(tmp_path):
     server.start()
     yield server
     server.kill()
+
+
+# -- fault matrix: tests marked `fault_matrix` record counted outcomes; docs/reliability.md is
+# rendered from them (KVROUTER_FAULT_MATRIX=out.json pytest ...; python benchmarks/fault_matrix.py).
+_FAULT_ROWS: list[dict[str, Any]] = []
+
+
+class FaultRecord:
+    """Counted outcomes of one fault test: every request sent ends `ok` or as a clean error."""
+
+    def __init__(self) -> None:
+        self.sent = self.ok = self.clean_errors = 0
+        self.notes: list[str] = []
+
+    def count(self, sent: int, ok: int, clean_errors: int, note: str | None = None) -> None:
+        self.sent += sent
+        self.ok += ok
+        self.clean_errors += clean_errors
+        if note:
+            self.notes.append(note)
+
+    @property
+    def lost(self) -> int:
+        return self.sent - self.ok - self.clean_errors
+
+
+@pytest.fixture
+def fault_record(request) -> FaultRecord:
+    record = FaultRecord()
+    request.node._fault_record = record
+    return record
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "fault_matrix(fault, clients_saw): a row of the fault matrix in docs/reliability.md"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("fault_matrix")
+    if marker is None or report.when != "call":
+        return
+    record = getattr(item, "_fault_record", None)
+    _FAULT_ROWS.append({
+        "test": f"{item.module.__name__.rsplit('.', 1)[-1]}.py::{item.name}",
+        "fault": marker.kwargs.get("fault", ""),
+        "clients_saw": marker.kwargs.get("clients_saw", ""),
+        "sent": record.sent if record else None,
+        "ok": record.ok if record else None,
+        "clean_errors": record.clean_errors if record else None,
+        "lost": record.lost if record else None,
+        "notes": "; ".join(record.notes) if record else "",
+        "outcome": report.outcome,
+    })
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    import json
+    import os
+
+    out = os.environ.get("KVROUTER_FAULT_MATRIX")
+    if out and _FAULT_ROWS:
+        with open(out, "w") as f:
+            json.dump(sorted(_FAULT_ROWS, key=lambda r: r["test"]), f, indent=1)

@@ -52,7 +52,11 @@ async def test_refused_connection_is_retried_on_another_replica(
     start_app, start_router, closed_port_url
 ):
     up = FakeUpstream(name="good")
-    _, router_url = await start_router([closed_port_url, await start_app(up.app())])
+    # Round robin, and no background probes, so requests themselves meet the dead replica.
+    _, router_url = await start_router(
+        [closed_port_url, await start_app(up.app())],
+        policy={"name": "round_robin"}, signals={"interval_s": 60},
+    )
     async with aiohttp.ClientSession() as client:
         for _ in range(4):  # round robin hits the dead replica first half the time
             async with client.post(router_url + "/v1/chat/completions", json=CHAT) as resp:
@@ -68,7 +72,7 @@ async def test_503_before_first_byte_is_retried(start_app, start_router):
     good = FakeUpstream(name="good")
     _, router_url = await start_router(
         [await start_app(busy.app()), await start_app(good.app())],
-        signals={"interval_s": 60},
+        policy={"name": "round_robin"}, signals={"interval_s": 60},
     )
     async with aiohttp.ClientSession() as client:
         for _ in range(4):

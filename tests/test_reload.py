@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from .fakes import FakeUpstream
 from .redis_server import free_port
@@ -29,6 +30,10 @@ async def wait_ready(url: str) -> None:
     raise AssertionError("router did not become ready")
 
 
+@pytest.mark.fault_matrix(
+    fault="SIGHUP with an invalid config",
+    clients_saw="old config kept, requests keep succeeding; the refusal is logged naming the key",
+)
 async def test_sighup_reload_adds_replica_and_refuses_invalid_config(start_app, tmp_path: Path):
     hold = asyncio.Event()
     a = FakeUpstream(name="a", chunks=4, hold_after_first=hold)

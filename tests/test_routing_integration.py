@@ -123,7 +123,11 @@ async def test_two_routers_on_one_redis_agree(fleet, start_router, redis_server)
         assert ra == rb == rb2
 
 
-async def test_redis_killed_mid_run_loses_no_request(fleet, start_router, redis_server):
+@pytest.mark.fault_matrix(
+    fault="Redis killed and restarted mid-run",
+    clients_saw="every request 200; affinity degraded to local state while down, shared again after restart",
+)
+async def test_redis_killed_mid_run_loses_no_request(fleet, start_router, redis_server, fault_record):
     replicas = await fleet(4)
     router, url = await start_router(replicas, **router_config(
         affinity={"store": "redis", "redis_url": redis_server.url, "op_timeout_s": 0.2,
@@ -145,5 +149,6 @@ async def test_redis_killed_mid_run_loses_no_request(fleet, start_router, redis_
     finally:
         for c in chats:
             await c.close()
+    fault_record.count(sent=48, ok=ok, clean_errors=0)
     assert (ok, failed) == (48, 0)
     assert not router.affinity.degraded  # restored once Redis came back

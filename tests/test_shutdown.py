@@ -1,0 +1,123 @@
+"""SIGTERM on a real `kvrouter serve` process with 100 streams in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import aiohttp
+import pytest
+
+from .fakes import FakeUpstream
+from .procs import start_router_proc, wait_http
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+STREAMS = 100
+
+
+async def _open_streams(client: aiohttp.ClientSession, url: str, n: int):
+    responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=CHAT) for _ in range(n)))
+    # every stream has its first event: all 100 are in flight at the router
+    await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 20) for r in responses))
+    return responses
+
+
+async def _finish(resp: aiohttp.ClientResponse) -> str:
+    try:
+        rest = await asyncio.wait_for(resp.read(), 30)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionError):
+        return "cut"
+    return "complete" if rest.endswith(b"data: [DONE]\n\n") else "truncated"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.fault_matrix(
+    fault="Router SIGTERM with 100 streams in flight",
+    clients_saw="/ready 503 at once; new requests 503 then connection refused; all 100 streams complete; exit 0",
+)
+async def test_sigterm_drains_100_streams_then_exits_0(start_app, tmp_path, fault_record):
+    hold = asyncio.Event()
+    upstream = FakeUpstream(chunks=6, hold_after_first=hold)
+    replica = await start_app(upstream.app())
+    proc, url, _ = start_router_proc(tmp_path, {
+        "replicas": [replica], "policy": {"name": "round_robin"},
+        "server": {"shutdown_grace_s": 30, "shutdown_delay_s": 1.5},
+    })
+    try:
+        await wait_http(url, "/ready")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client, \
+                aiohttp.ClientSession() as probe:
+            streams = await _open_streams(client, url, STREAMS)
+            proc.signal(signal.SIGTERM)
+            ready_status = None
+            for _ in range(100):  # the signal lands within milliseconds
+                async with probe.get(url + "/ready", headers={"Connection": "close"}) as r:
+                    ready_status = r.status
+                    if r.status == 503:
+                        assert (await r.json())["shutting_down"] is True
+                        break
+                await asyncio.sleep(0.01)
+            assert ready_status == 503
+            async with probe.post(url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 503 and "Retry-After" in r.headers  # no new work
+                assert (await r.json())["error"]["type"] == "service_unavailable"
+            refused = False
+            for _ in range(200):  # after shutdown_delay_s the listener closes
+                try:
+                    async with probe.get(url + "/health", headers={"Connection": "close"}):
+                        pass
+                except aiohttp.ClientConnectorError:
+                    refused = True
+                    break
+                await asyncio.sleep(0.05)
+            assert refused, "router kept accepting connections after SIGTERM"
+            assert proc.proc.poll() is None  # still draining the 100 streams
+            hold.set()
+            outcomes = await asyncio.gather(*(_finish(r) for r in streams))
+        code = await proc.wait(30)
+    finally:
+        proc.stop()
+    complete = outcomes.count("complete")
+    fault_record.count(sent=STREAMS, ok=complete, clean_errors=0)
+    assert complete == STREAMS, outcomes
+    assert code == 0
+    log = proc.log()
+    assert "shutting down: not ready; 100 requests in flight" in log
+    assert "shut down cleanly" in log and "requests cut" not in log
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.fault_matrix(
+    fault="Router SIGTERM, streams outlive the grace period",
+    clients_saw="streams cut (connection closed, no [DONE]) after shutdown_grace_s; exit 0",
+)
+async def test_sigterm_cuts_streams_after_grace_and_exits_0(start_app, tmp_path, fault_record):
+    hold = asyncio.Event()  # never set: the streams would run forever
+    upstream = FakeUpstream(chunks=6, hold_after_first=hold)
+    replica = await start_app(upstream.app())
+    proc, url, _ = start_router_proc(tmp_path, {
+        "replicas": [replica], "server": {"shutdown_grace_s": 1.0},
+    })
+    try:
+        await wait_http(url, "/ready")
+        async with aiohttp.ClientSession() as client:
+            streams = await _open_streams(client, url, 5)
+            proc.signal(signal.SIGTERM)
+            outcomes = await asyncio.gather(*(_finish(r) for r in streams))
+        code = await proc.wait(20)
+    finally:
+        hold.set()
+        proc.stop()
+    fault_record.count(sent=5, ok=0, clean_errors=outcomes.count("cut") + outcomes.count("truncated"))
+    assert "complete" not in outcomes  # a cut stream never passes for a finished one
+    assert code == 0
+    assert "requests cut" in proc.log()
+    assert await _upstream_saw_disconnects(upstream)
+
+
+async def _upstream_saw_disconnects(upstream: FakeUpstream) -> bool:
+    for _ in range(100):
+        if upstream.disconnected.is_set():
+            return True
+        await asyncio.sleep(0.05)
+    return False
