@@ -188,7 +188,8 @@ class Relay:
                 return await self._relay(request, upstream, url, request_id, sent)
             finally:
                 self.engine.completed(url, summary)
-                self.metrics.in_flight.labels(url).dec()
+                if url in self.registry:  # a removed replica's gauge is gone; don't recreate it at -1
+                    self.metrics.in_flight.labels(url).dec()
         return error_response(
             503,
             f"no replica could take the request: {last_problem}",
