@@ -17,8 +17,10 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
     config = with_overrides(
         base, host=args.host, port=args.port, replicas=args.replica, policy=args.policy
     )
-    if not config.replicas:
-        raise ConfigError("replicas: at least one replica is needed (--replica URL or a config file)")
+    if not config.replicas and not config.discovery.enabled:
+        raise ConfigError(
+            "replicas: at least one replica is needed (--replica URL, a config file or discovery)"
+        )
     return config
 
 
@@ -80,11 +82,107 @@ def _add_sim_replica(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.set_defaults(func=cmd_sim_replica)
 
 
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from kvrouter.loadtest.commands import cmd_loadtest as run
+
+    return run(args)
+
+
+def _add_loadtest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("loadtest", help="drive an OpenAI-compatible endpoint with coding-agent sessions")
+    p.add_argument("--target", required=True, help="base URL of the router or replica under test")
+    p.add_argument("--workload", default="coding-agent", help="workload YAML file or built-in name (coding-agent, tiny)")
+    p.add_argument("--users", type=int, help="concurrent closed-loop users")
+    p.add_argument("--arrival-rate", type=float, help="new sessions per model-second (Poisson) instead of --users")
+    p.add_argument("--duration", type=float, required=True, help="wall seconds during which turns start")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="the replicas' --time-scale (reports model time)")
+    p.add_argument("--replica-metrics", action="extend", nargs="+", metavar="URL",
+                   help="replica base or /metrics URLs sampled for load imbalance")
+    p.add_argument("--json", metavar="OUT", help="write the results contract (schema 1) here")
+    p.add_argument("--contender", default="target", help="name of the target in the results")
+    p.add_argument("--model", default="default", help="model field of every request")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="wall seconds in-flight requests get after --duration")
+    p.add_argument("--ramp", type=float, default=0.0, help="model seconds over which the users start (default: all at once)")
+    p.add_argument("--warm-start", action="store_true",
+                   help="start each user's first session mid-life (steady-state contexts, cold caches)")
+    p.add_argument("--warmup", type=float, default=0.0, help="model seconds at the start left out of the results")
+    # HOOK: trace replay via kvrouter.loadtest.traces.trace_sessions (see loadtest/commands.py).
+    p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, or a bundled sample name) instead of --users")
+    p.set_defaults(func=cmd_loadtest)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kvrouter.loadtest.commands import cmd_compare as run
+
+    return run(args)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest.commands import _int_list, _name_list
+
+    p = sub.add_parser("compare", help="compare routing policies and external routers on simulated replicas")
+    p.add_argument("--replicas", type=int, default=8, help="simulated replicas (started once)")
+    p.add_argument("--profile", default="kimi-k2.6-b200-tp4", help="replica profile name or YAML path")
+    p.add_argument("--workload", default="coding-agent", help="workload YAML file or built-in name")
+    p.add_argument("--policies", type=_name_list, default=["coding-agent", "consistent_hash", "round_robin", "prefix_aware"],
+                   help="comma-separated kvrouter policies, each run as its own router (empty: none)")
+    p.add_argument("--external", action="append", metavar="'NAME=COMMAND TEMPLATE'",
+                   help="another router: {port}, {worker_urls} (space-separated), {worker_url_flags} "
+                        "(--replica URL ...), {python} are substituted (repeatable)")
+    p.add_argument("--users", type=_int_list, default=[8], help="comma-separated users levels, e.g. 2,4,8,16")
+    p.add_argument("--duration", type=float, required=True, help="wall seconds of load per run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="model seconds per wall second on the replicas")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="wall seconds in-flight requests get after --duration")
+    p.add_argument("--ramp", type=float, default=0.0, help="model seconds over which the users start (default: all at once)")
+    p.add_argument("--warm-start", action="store_true",
+                   help="start each user's first session mid-life (steady-state contexts, cold caches)")
+    p.add_argument("--warmup", type=float, default=0.0, help="model seconds at the start left out of the results")
+    p.add_argument("--json", metavar="OUT", help="results JSON (default OUT_DIR/results.json)")
+    p.add_argument("--out-dir", default="kvrouter-compare", help="report.md, results.json and charts (default ./kvrouter-compare)")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvrouter.loadtest.commands import cmd_demo as run
+
+    return run(args)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest import commands as c
+
+    p = sub.add_parser("demo", help="the main job: coding-agent routing vs baselines on simulated replicas")
+    p.add_argument("--out-dir", default=c.DEMO_OUT_DIR, help=f"report and charts (default ./{c.DEMO_OUT_DIR})")
+    p.add_argument("--replicas", type=int, default=c.DEMO_REPLICAS)
+    p.add_argument("--users", type=int, default=c.DEMO_USERS)
+    p.add_argument("--duration", type=float, default=c.DEMO_DURATION_S, help="wall seconds of load per policy")
+    p.add_argument("--time-scale", type=float, default=c.DEMO_TIME_SCALE)
+    p.add_argument("--ramp", type=float, default=c.DEMO_RAMP_S, help="model seconds over which the users start")
+    p.add_argument("--warmup", type=float, default=c.DEMO_WARMUP_S, help="model seconds left out of the results")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_config_schema(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.router.schema import add_parser
+
+    add_parser(sub)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest.simulate import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_check_config, _add_sim_replica):
+    for add in (_add_serve, _add_check_config, _add_sim_replica, _add_loadtest, _add_compare, _add_demo,
+                _add_simulate, _add_config_schema):
         add(sub)
     return parser
 

@@ -116,9 +116,26 @@ class _Run:
 
     # -- sessions --------------------------------------------------------------------------
 
-    async def user_loop(self) -> None:
+    async def user_loop(self, delay_s: float = 0.0, warm_start: bool = False) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(min(delay_s, max(0.0, self.deadline - self.now())))
+        if warm_start and self.now() < self.deadline:
+            session = self.new_session()
+            await self.run_session(session, self.fast_forward(session))
         while self.now() < self.deadline:
             await self.run_session(self.new_session())
+
+    def fast_forward(self, session: Session) -> list[TurnRequest]:
+        """Warm start: skip a random number of turns (replies of the expected length, nothing sent),
+        so the session starts mid-life with a steady-state context; returns its first batch."""
+        rng = random.Random(f"{self.seed}:warm:{session.session_id}")
+        batch = session.next_requests(None)
+        for _ in range(rng.randrange(max(1, session.n_turns))):
+            nxt = session.next_requests([r.expected_output_tokens for r in batch])
+            if not nxt:
+                break
+            batch = nxt
+        return batch
 
     async def arrival_loop(self, rate_per_model_s: float) -> None:
         rng = random.Random(f"{self.seed}:arrivals")
@@ -140,13 +157,37 @@ class _Run:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run_session(self, session: Session) -> None:
+    async def trace_loop(self, arrivals: Sequence[tuple[float, Any]]) -> None:
+        """Open loop across sessions: each ``(start model s, session)`` starts at its time."""
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            for at, session in sorted(arrivals, key=lambda a: a[0]):
+                when = self.start + at / self.time_scale
+                if when >= self.deadline:
+                    break
+                if when > self.now():
+                    await asyncio.sleep(when - self.now())
+                self.sessions_started += 1
+                task = asyncio.create_task(self.run_session(session))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_session(self, session: Session, first: list[TurnRequest] | None = None) -> None:
+        """Run ``session`` closed loop; ``first``, if given, is its first batch, sent at once."""
         replies: list[str | None] | None = None
         while True:
-            batch = session.next_requests(replies)
+            batch = first if first is not None else session.next_requests(replies)
             if not batch:
                 return
-            think = batch[0].think_time_s / self.time_scale
+            think = 0.0 if first is not None else batch[0].think_time_s / self.time_scale
+            first = None
             if think > 0:
                 remaining = self.deadline - self.now()
                 if think >= remaining:
@@ -286,12 +327,18 @@ async def _sample_loads(
     interval_s: float,
     stop: asyncio.Event,
     samples: list[list[float]],
+    times: list[float] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> None:
-    """Append one sample (running requests per replica) every ``interval_s`` until ``stop``."""
+    """Append one sample (running requests per replica) every ``interval_s`` until ``stop``;
+    with ``times``, also the ``clock()`` value at which each kept sample was taken."""
     while not stop.is_set():
+        t = clock() if clock is not None else 0.0
         values = await asyncio.gather(*(_running_reqs(http, u, max(interval_s, 0.2)) for u in urls))
         if all(v is not None for v in values):
             samples.append([v for v in values if v is not None])
+            if times is not None:
+                times.append(t)
         try:
             await asyncio.wait_for(stop.wait(), interval_s)
         except asyncio.TimeoutError:
@@ -338,6 +385,11 @@ async def run_load(
     metrics_interval_s: float = 0.5,
     extra_body: Mapping[str, Any] | None = None,
     records_out: list[RequestRecord] | None = None,
+    load_samples_out: list[tuple[float, list[float]]] | None = None,
+    ramp_s: float = 0.0,
+    warm_start: bool = False,
+    warmup_s: float = 0.0,
+    arrivals: Sequence[tuple[float, Any]] | None = None,
 ) -> dict[str, Any]:
     """Drive ``target_url`` for ``duration_s`` wall seconds and return the results contract.
 
@@ -345,9 +397,21 @@ async def run_load(
     model-second, Poisson) must be given. ``replicas`` defaults to the number of metrics URLs (or 1).
     ``progress`` receives one status line about every second (default: :class:`StderrProgress`).
     ``extra_body`` is merged into every request body (e.g. ``{"ignore_eos": True}`` for SGLang).
-    ``records_out``, if given, receives every :class:`RequestRecord`.
+    ``records_out``, if given, receives every :class:`RequestRecord`; ``load_samples_out``, if
+    given, every load sample as ``(model seconds since the start, [running requests per replica])``
+    in the order of ``replica_metrics_urls``. ``ramp_s`` (model seconds) spreads the users' starts
+    evenly over that long instead of starting them all at once (closed-loop ``users`` only).
+    ``warm_start`` starts each user's first session at a random point of its life (turns skipped
+    without being sent, as the cluster simulator does), so contexts have steady-state sizes at once
+    while caches are cold; ``warmup_s`` (model seconds) leaves requests started and load samples
+    taken before it out of the results (``records_out`` and ``load_samples_out`` still get them).
+    ``arrivals`` (trace replay, e.g. :func:`kvrouter.loadtest.traces.trace_sessions`) replaces both
+    ``users`` and ``arrival_rate``: each ``(start model s, session)`` starts at its time.
     """
-    if (users is None) == (arrival_rate is None):
+    if arrivals is not None:
+        if users is not None or arrival_rate is not None:
+            raise ValueError("give only one of users, arrival_rate and arrivals")
+    elif (users is None) == (arrival_rate is None):
         raise ValueError("give exactly one of users and arrival_rate")
     if users is not None and users < 1:
         raise ValueError("users must be >= 1")
@@ -355,6 +419,8 @@ async def run_load(
         raise ValueError("arrival_rate must be > 0")
     if time_scale <= 0 or duration_s <= 0:
         raise ValueError("time_scale and duration_s must be > 0")
+    if ramp_s < 0 or warmup_s < 0:
+        raise ValueError("ramp_s and warmup_s must be >= 0")
     config = workload if isinstance(workload, WorkloadConfig) else load_workload(workload)
     n_replicas = replicas if replicas is not None else max(1, len(replica_metrics_urls))
     if progress is None:
@@ -364,6 +430,7 @@ async def run_load(
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     samples: list[list[float]] = []
+    sample_times: list[float] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         run = _Run(http, url, config, seed, time_scale, model, extra_body)
         run.deadline = run.start + duration_s
@@ -372,10 +439,20 @@ async def run_load(
         if replica_metrics_urls:
             metrics_urls = [_metrics_url(u) for u in replica_metrics_urls]
             background.append(
-                asyncio.create_task(_sample_loads(http, metrics_urls, metrics_interval_s, stop, samples))
+                asyncio.create_task(
+                    _sample_loads(
+                        http, metrics_urls, metrics_interval_s, stop, samples, sample_times,
+                        lambda: (run.now() - run.start) * time_scale,
+                    )
+                )
             )
         if users is not None:
-            workers = [asyncio.create_task(run.user_loop()) for _ in range(users)]
+            # user i starts i/users of the ramp after the start (ramp_s is model time)
+            workers = [
+                asyncio.create_task(run.user_loop(i * ramp_s / users / time_scale, warm_start)) for i in range(users)
+            ]
+        elif arrivals is not None:
+            workers = [asyncio.create_task(run.trace_loop(arrivals))]
         else:
             workers = [asyncio.create_task(run.arrival_loop(arrival_rate))]  # type: ignore[arg-type]
         try:
@@ -401,7 +478,13 @@ async def run_load(
         progress(final)
     if records_out is not None:
         records_out.extend(run.records)
-    results = summarize_requests(run.records, n_replicas, (end - run.start) * time_scale, samples)
+    if load_samples_out is not None:
+        load_samples_out.extend(zip(sample_times, samples))
+    measured = [r for r in run.records if r.start_s >= warmup_s] if warmup_s > 0 else run.records
+    kept = [v for t, v in zip(sample_times, samples) if t >= warmup_s] if warmup_s > 0 else samples
+    results = summarize_requests(
+        measured, n_replicas, max(0.0, (end - run.start) * time_scale - warmup_s), kept
+    )
     workload_info = {
         **config.model_dump(mode="json"),
         "seed": seed,
@@ -410,5 +493,9 @@ async def run_load(
         "duration_s": duration_s,
         "time_scale": time_scale,
         "replicas": n_replicas,
+        "ramp_s": ramp_s,
+        "warm_start": warm_start,
+        "warmup_s": warmup_s,
+        **({"trace_sessions": len(arrivals)} if arrivals is not None else {}),
     }
     return build_report(workload_info, {contender: results})

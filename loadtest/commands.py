@@ -1,0 +1,259 @@
+"""Implementations of ``kvrouter loadtest``, ``kvrouter compare`` and ``kvrouter demo``.
+
+The argument parsers live in :mod:`kvrouter.cli` (``_add_loadtest``, ``_add_compare``,
+``_add_demo``); each command here takes the parsed namespace and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .compare import (
+    CompareConfig,
+    CompareError,
+    RunData,
+    markdown_table,
+    parse_external,
+    run_compare,
+    write_outputs,
+)
+from .report import RequestRecord
+from .workload import WorkloadConfigError, load_workload
+
+# The demo: 4 replicas of the default profile (KV for ~4 sessions of 100k tokens each) and 48
+# coding-agent users (3x what fits), each user's first session starting mid-life so prompts are
+# ~100k tokens at once: where a session lands decides whether its next turn is a ~0.2 s warm prefill
+# or a ~5 s cold one. Time scale 5 keeps the ~7 ms of wall overhead per request at ~35 ms of model
+# time (see docs/compare/report.md, caveats); 60 s of wall per policy = 5 model minutes, the first
+# minute (ramp) not measured. Measured on 2 cores: ~3 minutes wall for the three policies.
+DEMO_REPLICAS = 4
+DEMO_PROFILE = "kimi-k2.6-b200-tp4"
+DEMO_POLICIES = ("coding-agent", "consistent_hash", "round_robin")
+DEMO_USERS = 48
+DEMO_DURATION_S = 60.0
+DEMO_TIME_SCALE = 5.0
+DEMO_RAMP_S = 60.0
+DEMO_WARMUP_S = 60.0
+DEMO_OUT_DIR = "kvrouter-demo"
+
+
+def _err(msg: str) -> None:
+    print(f"kvrouter: {msg}", file=sys.stderr)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every ``finally`` (subprocess cleanup) runs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# kvrouter loadtest
+# ----------------------------------------------------------------------------------------------
+
+
+# Simulated replicas (and Kimi K2.6) serve 256K of context; longer trace requests are dropped.
+TRACE_MAX_CONTEXT_TOKENS = 262_144
+
+
+def _trace_sessions(path: str) -> Any:
+    """HOOK (trace replay): ``[(start model s, session), ...]`` from
+    ``kvrouter.loadtest.traces.trace_sessions``; None when that module or function is missing."""
+    try:
+        from . import traces
+    except ImportError:
+        return None
+    fn = getattr(traces, "trace_sessions", None)
+    if fn is None:
+        return None
+    return fn(path, max_context_tokens=TRACE_MAX_CONTEXT_TOKENS)
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    given = sum(x is not None for x in (args.users, args.arrival_rate, args.trace))
+    if given != 1:
+        _err("loadtest: give exactly one of --users, --arrival-rate and --trace")
+        return 2
+    arrivals = None
+    if args.trace is not None:
+        try:
+            arrivals = _trace_sessions(args.trace)
+        except (OSError, ValueError) as exc:
+            _err(f"loadtest: --trace {args.trace}: {exc}")
+            return 2
+        if arrivals is None:
+            _err("loadtest: trace replay not available (kvrouter.loadtest.traces.trace_sessions is missing)")
+            return 2
+    try:
+        workload = load_workload(args.workload)
+    except WorkloadConfigError as exc:
+        _err(str(exc))
+        return 2
+    from .driver import run_load
+
+    records: list[RequestRecord] = []
+    t0 = time.monotonic()
+    with _sigterm_as_interrupt():
+        report = asyncio.run(
+            run_load(
+                args.target, workload, args.users, args.duration, seed=args.seed, time_scale=args.time_scale,
+                replica_metrics_urls=args.replica_metrics or (), arrival_rate=args.arrival_rate,
+                contender=args.contender, model=args.model, drain_timeout_s=args.drain_timeout,
+                records_out=records, ramp_s=args.ramp, warm_start=args.warm_start, warmup_s=args.warmup,
+                arrivals=arrivals,
+            )
+        )
+    if args.trace is not None:
+        report["workload"]["trace"] = args.trace
+    result = report["results"][args.contender]
+    run = RunData(args.contender, args.users or 0, result, time.monotonic() - t0)
+    print(markdown_table([run]))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results: {path}")
+    return 0 if result["requests_ok"] > 0 else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# kvrouter compare / demo
+# ----------------------------------------------------------------------------------------------
+
+
+def _compare_command(cfg: CompareConfig, out_dir: Path | None, json_path: Path | None) -> str:
+    """The canonical ``kvrouter compare`` command line for ``cfg`` (every effective parameter)."""
+    argv = [
+        "kvrouter", "compare", "--replicas", str(cfg.replicas), "--profile", cfg.profile,
+        "--workload", cfg.workload, "--policies", ",".join(cfg.policies),
+    ]
+    for c in cfg.externals:
+        argv += ["--external", f"{c.name}={c.template}"]
+    argv += [
+        "--users", ",".join(str(u) for u in cfg.users), "--duration", f"{cfg.duration_s:g}",
+        "--seed", str(cfg.seed), "--time-scale", f"{cfg.time_scale:g}",
+    ]
+    if cfg.ramp_s:
+        argv += ["--ramp", f"{cfg.ramp_s:g}"]
+    if cfg.warm_start:
+        argv += ["--warm-start"]
+    if cfg.warmup_s:
+        argv += ["--warmup", f"{cfg.warmup_s:g}"]
+    if cfg.drain_timeout_s != 30.0:
+        argv += ["--drain-timeout", f"{cfg.drain_timeout_s:g}"]
+    if json_path is not None:
+        argv += ["--json", str(json_path)]
+    if out_dir is not None:
+        argv += ["--out-dir", str(out_dir)]
+    return shlex.join(argv)
+
+
+def _run_and_report(
+    cfg: CompareConfig, out_dir: Path | None, json_path: Path | None
+) -> tuple[int, list[Path]]:
+    t0 = time.monotonic()
+    try:
+        with _sigterm_as_interrupt():
+            report, runs = run_compare(cfg)
+    except CompareError as exc:
+        _err(f"compare failed: {exc}")
+        return 1, []
+    except KeyboardInterrupt:
+        _err("compare interrupted; all replicas and routers stopped")
+        return 130, []
+    written = write_outputs(cfg, report, runs, out_dir, json_path)
+    print()
+    print(markdown_table(runs))
+    print()
+    for path in written:
+        print(f"wrote {path}")
+    if out_dir is not None and not any(p.suffix == ".png" for p in written):
+        print("charts skipped: matplotlib is not installed (pip install 'kvrouter[charts]')")
+    print(f"total wall time {time.monotonic() - t0:.0f} s")
+    failed_everything = any(r.result["requests_ok"] == 0 for r in runs)
+    return (1 if failed_everything else 0), written
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    try:
+        externals = [parse_external(s) for s in args.external or ()]
+        load_workload(args.workload)
+        cfg = CompareConfig(
+            replicas=args.replicas, profile=args.profile, workload=args.workload,
+            policies=args.policies, externals=externals, users=args.users, duration_s=args.duration,
+            seed=args.seed, time_scale=args.time_scale, drain_timeout_s=args.drain_timeout, ramp_s=args.ramp,
+            warm_start=args.warm_start, warmup_s=args.warmup,
+        )
+        cfg.contenders()
+    except (ValueError, WorkloadConfigError) as exc:
+        _err(f"compare: {exc}")
+        return 2
+    out_dir = Path(args.out_dir) if args.out_dir else None
+    json_path = Path(args.json) if args.json else None
+    cfg.command = _compare_command(cfg, out_dir, json_path)
+    return _run_and_report(cfg, out_dir, json_path)[0]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    cfg = CompareConfig(
+        replicas=args.replicas, profile=DEMO_PROFILE, workload="coding-agent", policies=DEMO_POLICIES,
+        users=[args.users], duration_s=args.duration, seed=args.seed, time_scale=args.time_scale,
+        drain_timeout_s=30.0, ramp_s=args.ramp, warm_start=True, warmup_s=args.warmup,
+    )
+    cfg.command = shlex.join([
+        "kvrouter", "demo", "--out-dir", str(out_dir), "--replicas", str(args.replicas), "--users", str(args.users),
+        "--duration", f"{args.duration:g}", "--time-scale", f"{args.time_scale:g}", "--ramp", f"{args.ramp:g}",
+        "--warmup", f"{args.warmup:g}", "--seed", str(args.seed),
+    ]) + "\n# same as: " + _compare_command(cfg, out_dir, None)
+    model_min = args.duration * args.time_scale / 60
+    estimate_min = (len(DEMO_POLICIES) * (args.duration + 6) + 5) / 60
+    print(
+        f"kvrouter demo: {args.replicas} simulated {DEMO_PROFILE} replicas (KV for ~4 sessions of 100k "
+        f"tokens each), {args.users} coding-agent users (sessions starting mid-life, so contexts are "
+        f"~100k tokens at once), policies {', '.join(DEMO_POLICIES)}. Each policy gets {args.duration:g} s "
+        f"of wall time = {model_min:.1f} model minutes (time scale {args.time_scale:g}), the first "
+        f"{args.warmup:g} model seconds not measured. About {estimate_min:.1f} minutes in all.",
+        flush=True,
+    )
+    code, written = _run_and_report(cfg, out_dir, None)
+    if code == 0:
+        what = "charts and report" if any(p.suffix == ".png" for p in written) else "report"
+        print(f"{what}: {out_dir.resolve()}/")
+    return code
