@@ -32,7 +32,6 @@ def build(n: int, policy: str, rng: random.Random) -> tuple[RoutingEngine, list[
     registry = ReplicaRegistry([f"http://replica-{i}:30000" for i in range(n)])
     table = SessionTable()
     engine = RoutingEngine(build_policy(policy), registry, ShadowKVIndex(BLOCK_TOKENS), table, rng)
-    table._on_change = engine.sync_homed
     sessions = []
     for i, url in enumerate(registry.urls()):
         registry.update_signals(url, ReplicaSignals(

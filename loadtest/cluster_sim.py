@@ -67,9 +67,13 @@ class SimConfig:
     warm_start: bool = True
     warmup_s: float = 60.0
     scale_events: tuple[ScaleEvent, ...] = ()
-    # The router's shadow index tracks prefixes in blocks of this many pages (8 x 64 = 512 tokens,
-    # Mooncake's block size): match precision of 512 tokens on ~100k-token prompts, 8x less work.
-    index_block_pages: int = 8
+    # The router's shadow index tracks prefixes in blocks of this many tokens (Mooncake's block
+    # size): match precision of 512 tokens on ~100k-token prompts, 8x less work than 64.
+    index_block_tokens: int = 512
+    # Simulation resolution: the replica model's page size in tokens (None = the profile's, 64 for
+    # Kimi on B200). Per-page bookkeeping dominates large runs; 512-token pages cut it 8x while
+    # cached-token counts move by less than one page (0.5% of a 100k prompt) - see docs/simulation.md.
+    page_tokens: int | None = None
     policy_params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,11 +129,14 @@ class ClusterSimulator:
         self.policy_name = policy
         self.workload = workload
         self.profile = profile or load_profile(config.profile)
+        if config.page_tokens is not None and config.page_tokens != self.profile.page_size:
+            self.profile = self.profile.model_copy(update={"page_size": config.page_tokens})
+        self.stride = max(1, config.index_block_tokens // self.profile.page_size)
         self.rng = random.Random(f"sim:{config.seed}:{policy}")
         self.registry = ReplicaRegistry()
         self.table = SessionTable(ttl_s=3600.0)
         self.index = ShadowKVIndex(
-            self.profile.page_size * config.index_block_pages, self.profile.max_total_num_tokens
+            self.profile.page_size * self.stride, self.profile.max_total_num_tokens
         )
         self._dirty: set[str] = set()  # replicas whose state changed since the last poll
         self.engine = RoutingEngine(
@@ -137,7 +144,6 @@ class ClusterSimulator:
             random.Random(f"policy:{config.seed}"),
             default_capacity_tokens=self.profile.max_total_num_tokens,
         )
-        self.table._on_change = self.engine.sync_homed
         self.models: dict[str, ReplicaModel] = {}
         self.keys = SegmentKeyCache(self.profile.page_size, namespace="sim-model")
         self.make_session = session_factory or (lambda i: make_session(workload, config.seed, i))
@@ -243,7 +249,7 @@ class ClusterSimulator:
         reply = session.reply_segment(req, req.expected_output_tokens)
         keys = self.keys.keys(session.session_id, req.segments + (reply,))
         prompt = req.prompt_tokens
-        stride = self.config.index_block_pages
+        stride = self.stride
         prompt_pages = prompt // self.profile.page_size
         summary = RequestSummary(
             route=ROUTE, session_key=session.session_id, prompt_tokens=prompt,

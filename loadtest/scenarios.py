@@ -8,7 +8,8 @@
 2. scale-out: 40 -> 50 replicas mid-run; cache-hit rate and TTFT in the two minutes after the event.
 3. claude-code: the 15 public Claude Code sessions (two users each) replayed on a fleet too small
    for all their KV; each policy's cache-hit rate against the trace's own reuse bound.
-4. performance: 1000 replicas x 5000 sessions x 10 simulated minutes; wall time and events/s.
+4. resolution: the same run at 64- and 512-token pages (what the faster setting changes).
+5. performance: 1000 replicas x 5000 sessions x 10 simulated minutes; wall time and events/s.
 """
 
 from __future__ import annotations
@@ -108,17 +109,41 @@ def claude_code(traces: Path, replicas: int = 4, duration_s: float = 1800.0) -> 
         "reuse_bound": bound, "results": results}
 
 
+def resolution(duration_s: float = 600.0) -> tuple[str, dict[str, Any]]:
+    """The same 50 x 250 run at the profile's 64-token pages and at 512-token pages."""
+    rows: dict[str, dict[str, Any]] = {}
+    lines = ["| policy | page tokens | wall s | requests | CHR | TTFT p50 | TTFT p95 | e2e p95 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for policy in ("coding-agent", "consistent-hash"):
+        for page in (None, 512):
+            started = time.perf_counter()
+            sim = ClusterSimulator(SimConfig(replicas=50, sessions=250, duration_s=duration_s, seed=1,
+                                             page_tokens=page), policy, load_workload("coding-agent"))
+            r = sim.run()
+            wall = time.perf_counter() - started
+            rows[f"{policy}@{page or 64}"] = r
+            lines.append(f"| {policy} | {page or 64} | {wall:.1f} | {r['requests_ok']} | "
+                         f"{r['cache_hit_rate']:.4f} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | "
+                         f"{r['e2e_p95_s']:.2f} |")
+    return "\n".join(lines), rows
+
+
 def performance(replicas: int = 1000, sessions: int = 5000, duration_s: float = 600.0) -> tuple[str, dict[str, Any]]:
-    started = time.perf_counter()
-    sim = ClusterSimulator(SimConfig(replicas=replicas, sessions=sessions, duration_s=duration_s, seed=1),
-                           "coding-agent", load_workload("coding-agent"))
-    result = sim.run()
-    wall = time.perf_counter() - started
-    row = {"wall_s": wall, "events": sim.events, "events_per_s": sim.events / wall,
-           "requests": result["requests_ok"] + result["requests_failed"]}
-    return (f"{replicas} replicas x {sessions} sessions x {duration_s:.0f} simulated s: "
-            f"{wall:.1f} s wall, {sim.events:,} events ({sim.events / wall:,.0f} events/s), "
-            f"{row['requests']:,} requests measured"), row
+    lines = ["| page tokens | wall s | events | events/s | requests measured |", "|---|---|---|---|---|"]
+    rows = {}
+    for page in (512, None):
+        started = time.perf_counter()
+        sim = ClusterSimulator(SimConfig(replicas=replicas, sessions=sessions, duration_s=duration_s,
+                                         seed=1, page_tokens=page), "coding-agent", load_workload("coding-agent"))
+        result = sim.run()
+        wall = time.perf_counter() - started
+        rows[page or 64] = {"wall_s": wall, "events": sim.events, "events_per_s": sim.events / wall,
+                            "requests": result["requests_ok"] + result["requests_failed"]}
+        lines.append(f"| {page or 64} | {wall:.1f} | {sim.events:,} | {sim.events / wall:,.0f} | "
+                     f"{rows[page or 64]['requests']:,} |")
+    head = (f"{replicas} replicas x {sessions} sessions x {duration_s:.0f} simulated s, coding-agent, "
+            "one core (`kvrouter simulate --replicas 1000 --sessions 5000 --duration 600 --page-tokens 512`):")
+    return head + "\n\n" + "\n".join(lines), rows
 
 
 def main() -> int:
@@ -136,6 +161,8 @@ def main() -> int:
         text, _ = claude_code(args.traces)
         parts.append(("Claude Code replay: 15 sessions x 2 users on 4 replicas", text))
     if not args.quick:
+        text, _ = resolution()
+        parts.append(("Simulation resolution: 64- vs 512-token pages (50 replicas x 250 sessions)", text))
         text, _ = performance()
         parts.append(("Performance", text))
     command = "python -m kvrouter.loadtest.scenarios " + " ".join(sys.argv[1:])

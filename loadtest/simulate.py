@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(
         replicas=args.replicas, profile=args.profile, duration_s=args.duration, seed=args.seed,
         sessions=args.sessions, poll_interval_s=args.poll_interval, warmup_s=args.warmup,
-        warm_start=not args.cold_start, scale_events=scale,
+        warm_start=not args.cold_start, scale_events=scale, page_tokens=args.page_tokens,
     )
     arrivals_for = None
     if args.trace:
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "name": workload.name, "source": str(args.trace or args.workload), "seed": args.seed,
         "replicas": args.replicas, "profile": args.profile, "duration_s": args.duration,
         "sessions": args.sessions if args.sessions is not None else 5 * args.replicas,
-        "warmup_s": args.warmup, "warm_start": not args.cold_start,
+        "warmup_s": args.warmup, "warm_start": not args.cold_start, "page_tokens": args.page_tokens,
         "scale": [e.__dict__ | {"remove": list(e.remove)} for e in scale],
     }
     print(markdown_table(results))
@@ -130,5 +130,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--warmup", type=float, default=60.0, help="seconds not measured at the start")
     p.add_argument("--cold-start", action="store_true",
                    help="sessions start at turn 1 instead of a random point of their life")
+    p.add_argument("--page-tokens", type=int,
+                   help="simulation resolution: model page size in tokens (default: the profile's; "
+                        "512 halves the run time of large fleets, see docs/simulation.md)")
     p.add_argument("--json", help="write the schema-1 JSON here")
     p.set_defaults(func=run)

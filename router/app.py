@@ -75,7 +75,6 @@ class Router:
         self.engine = RoutingEngine(
             self.policy, self.registry, self.index, self.table, rng or random.Random()
         )
-        self.table._on_change = self.engine.sync_homed
         self.affinity = self._make_affinity_store()
         self.shutting_down = False  # SIGTERM: /ready 503 and no new requests
         self.api_keys = load_api_keys(config.auth)

@@ -43,6 +43,7 @@ class RoutingEngine:
         self.registry = registry
         self.index = index
         self.table = table
+        table.on_home_change = self.sync_homed  # replica views carry their homed totals
         self.rng = rng
         self.fresh_since: dict[str, float] = {}
 

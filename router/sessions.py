@@ -24,7 +24,8 @@ class SessionTable:
         self._entries: dict[str, SessionEntry] = {}
         self.homed_sessions: dict[str, int] = {}
         self.homed_tokens: dict[str, int] = {}
-        self._on_change = on_home_change or (lambda replica: None)
+        # Called with a replica whenever its homed totals change (the engine mirrors them).
+        self.on_home_change = on_home_change or (lambda replica: None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -43,7 +44,7 @@ class SessionTable:
             return
         self.homed_sessions[home] = self.homed_sessions.get(home, 0) + sessions
         self.homed_tokens[home] = self.homed_tokens.get(home, 0) + tokens
-        self._on_change(home)
+        self.on_home_change(home)
 
     def touch(self, key: str, now: float, *, home: str | None = None, tokens: int | None = None) -> SessionEntry:
         """Record a request of `key`: a new home (if given) and its context size."""
@@ -71,9 +72,6 @@ class SessionTable:
 
     def set_home(self, key: str, home: str, now: float) -> None:
         self.touch(key, now, home=home)
-
-    def acquire(self, key: str, now: float) -> None:
-        self.touch(key, now).in_flight += 1
 
     def release(self, key: str, now: float) -> None:
         e = self._entries.get(key)

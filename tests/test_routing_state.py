@@ -70,7 +70,7 @@ def test_session_table_tracks_homes_and_kv_demand():
     assert t.homed_sessions["a"] == 2 and t.homed_tokens["a"] == 200
     t.set_home("s2", "b", 2)
     assert t.homed_tokens == {"a": 150, "b": 50}
-    t.acquire("s1", 3)
+    t.begin("s1", None, force=False, tokens=150, now=3)
     assert t.expire(100) == 1  # s2 idle past TTL; s1 in flight stays
     assert t.homed_tokens["b"] == 0 and "a" in changed
 
@@ -79,7 +79,6 @@ def _engine(n: int) -> RoutingEngine:
     reg = ReplicaRegistry([f"r{i}" for i in range(n)])
     table = SessionTable()
     eng = RoutingEngine(build_policy("coding-agent"), reg, ShadowKVIndex(), table, random.Random(0))
-    table._on_change = eng.sync_homed
     return eng
 
 
@@ -88,7 +87,7 @@ def test_rebalance_moves_a_bounded_number_of_small_idle_sessions_to_fresh():
     for i in range(6):
         eng.table.touch(f"s{i}", 0, home="r0", tokens=10_000 * (i + 1))
     eng.table.touch("busy", 0, home="r0", tokens=1_000)
-    eng.table.acquire("busy", 0)
+    eng.table.begin("busy", None, force=False, tokens=1_000, now=0)
     eng.add_replica("r2", now=0)
     assert eng.plan_rebalance(now=1, min_fresh_age_s=10, max_moves=3) == []  # give arrivals a chance
     moves = eng.plan_rebalance(now=20, min_fresh_age_s=10, max_moves=3)
