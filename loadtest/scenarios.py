@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -36,6 +37,7 @@ def textbook(seeds: int, duration_s: float = 300.0) -> tuple[str, dict[str, Any]
     rows = {}
     for policy in ("consistent-hash", "coding-agent"):
         low, high, ratio, idle = [], [], [], []
+        counts: list[int] = []
         for seed in range(seeds):
             # Sessions arrive fresh (turn 1) over the first minute, as in the textbook placement
             # question; ended sessions are replaced by new arrivals (closed loop).
@@ -43,6 +45,7 @@ def textbook(seeds: int, duration_s: float = 300.0) -> tuple[str, dict[str, Any]
                                              seed=seed, drain_s=0, warm_start=False),
                                    policy, load_workload("coding-agent"))
             result = sim.run()
+            counts.extend(result["homed_sessions_per_replica"])
             for sample in result["session_timeline"]:
                 low.append(sample["at_most_1_fraction"])
                 high.append(sample["at_least_12_fraction"])
@@ -54,6 +57,7 @@ def textbook(seeds: int, duration_s: float = 300.0) -> tuple[str, dict[str, Any]
             "max_over_mean_sessions_mean": statistics.mean(ratio),
             "max_over_mean_sessions_worst": max(ratio),
             "samples_with_an_idle_replica": statistics.mean(idle),
+            "sessions_per_replica_at_end": counts,
         }
     lines = ["| policy | replicas with <= 1 session | with >= 12 | sessions max/mean (mean) | (worst) | samples with an empty replica |",
              "|---|---|---|---|---|---|"]
@@ -72,6 +76,12 @@ def scale_out(duration_s: float = 600.0, at_s: float = 300.0, window_s: float = 
                            scale_events=(ScaleEvent(at_s, add=10),))
         sim = ClusterSimulator(config, policy, load_workload("coding-agent"))
         sim.run()
+        step = 30.0
+        timeline = []
+        for w in range(int(duration_s // step)):
+            recs = [r for r in sim.records if w * step <= r.start_s < (w + 1) * step]
+            res = summarize_requests(recs, 1, step)
+            timeline.append((w * step + step / 2, res["cache_hit_rate"], res["ttft_p95_s"]))
         before = [r for r in sim.records if at_s - window_s <= r.start_s < at_s]
         after = [r for r in sim.records if at_s <= r.start_s < at_s + window_s]
         b = summarize_requests(before, 40, window_s)
@@ -82,6 +92,7 @@ def scale_out(duration_s: float = 600.0, at_s: float = 300.0, window_s: float = 
             "ttft_p95_before_s": b["ttft_p95_s"], "ttft_p95_after_s": a["ttft_p95_s"],
             "sessions_on_new_replicas_at_end": sum(sim.table.homed_sessions.get(u, 0) for u in new),
             "sessions_moved_by_rebalance": sim.rebalanced,
+            "timeline": timeline,
         }
     lines = ["| policy | CHR before | CHR after | TTFT p95 before (s) | TTFT p95 after (s) | sessions on the 10 new replicas at end | moved by rebalance |",
              "|---|---|---|---|---|---|---|"]
@@ -146,6 +157,50 @@ def performance(replicas: int = 1000, sessions: int = 5000, duration_s: float = 
     return head + "\n\n" + "\n".join(lines), rows
 
 
+def charts(out_dir: Path, textbook_rows: dict[str, Any], scale_rows: dict[str, Any], at_s: float = 300.0) -> list[str]:
+    """Two small PNGs for docs/simulation.md; skipped (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
+    top = 14
+    xs = list(range(top + 1))
+    poisson = [math.exp(-5) * 5**k / math.factorial(k) for k in xs]
+    ax.plot(xs, poisson, "k--", label="Poisson(5)")
+    for policy, row in textbook_rows.items():
+        counts = row["sessions_per_replica_at_end"]
+        ax.plot(xs, [sum(1 for c in counts if c == k) / len(counts) for k in xs], marker="o", label=policy)
+    ax.set_xlabel("sessions on a replica (250 sessions, 50 replicas)")
+    ax.set_ylabel("fraction of replicas")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "textbook_sessions_per_replica.png")
+    plt.close(fig)
+    names.append("textbook_sessions_per_replica.png")
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(6, 4.8), dpi=80, sharex=True)
+    for policy, row in scale_rows.items():
+        t = [x[0] for x in row["timeline"]]
+        a1.plot(t, [x[1] for x in row["timeline"]], marker=".", label=policy)
+        a2.plot(t, [x[2] for x in row["timeline"]], marker=".", label=policy)
+    for ax in (a1, a2):
+        ax.axvline(at_s, color="grey", linestyle=":")
+    a1.set_ylabel("cache-hit rate")
+    a2.set_ylabel("TTFT p95 (s)")
+    a2.set_xlabel("simulated time (s); 40 -> 50 replicas at the dotted line")
+    a1.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "scale_out_timeline.png")
+    plt.close(fig)
+    names.append("scale_out_timeline.png")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds, skip the 1000-replica run")
@@ -153,10 +208,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     parts = []
-    text, _ = textbook(seeds=3 if args.quick else 10)
+    text, textbook_rows = textbook(seeds=3 if args.quick else 10)
     parts.append(("Textbook check: 250 sessions on 50 replicas", text))
-    text, _ = scale_out()
-    parts.append(("Scale-out: 40 -> 50 replicas at t=300 s (two-minute windows either side)", text))
+    scale_text, scale_rows = scale_out()
+    if args.out:
+        for name in charts(args.out.parent / "simulation", textbook_rows, scale_rows):
+            if name.startswith("textbook"):
+                parts[-1] = (parts[-1][0], parts[-1][1] + f"\n\n![sessions per replica](simulation/{name})")
+            else:
+                scale_text += f"\n\n![scale-out timeline](simulation/{name})"
+    parts.append(("Scale-out: 40 -> 50 replicas at t=300 s (two-minute windows either side)", scale_text))
     if args.traces.is_dir():
         text, _ = claude_code(args.traces)
         parts.append(("Claude Code replay: 15 sessions x 2 users on 4 replicas", text))
