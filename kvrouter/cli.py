@@ -102,14 +102,18 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--json", metavar="OUT", help="write the results contract (schema 1) here")
     p.add_argument("--contender", default="target", help="name of the target in the results")
     p.add_argument("--model", default="default", help="model field of every request")
+    _add_load_shape(p)
+    p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, or a bundled sample name) instead of --users")
+    p.set_defaults(func=cmd_loadtest)
+
+
+def _add_load_shape(p: argparse.ArgumentParser) -> None:
+    """Options shared by loadtest and compare: how the load starts, ends and is measured."""
     p.add_argument("--drain-timeout", type=float, default=30.0, help="wall seconds in-flight requests get after --duration")
     p.add_argument("--ramp", type=float, default=0.0, help="model seconds over which the users start (default: all at once)")
     p.add_argument("--warm-start", action="store_true",
                    help="start each user's first session mid-life (steady-state contexts, cold caches)")
     p.add_argument("--warmup", type=float, default=0.0, help="model seconds at the start left out of the results")
-    # HOOK: trace replay via kvrouter.loadtest.traces.trace_sessions (see loadtest/commands.py).
-    p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, or a bundled sample name) instead of --users")
-    p.set_defaults(func=cmd_loadtest)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -134,11 +138,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--duration", type=float, required=True, help="wall seconds of load per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0, help="model seconds per wall second on the replicas")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="wall seconds in-flight requests get after --duration")
-    p.add_argument("--ramp", type=float, default=0.0, help="model seconds over which the users start (default: all at once)")
-    p.add_argument("--warm-start", action="store_true",
-                   help="start each user's first session mid-life (steady-state contexts, cold caches)")
-    p.add_argument("--warmup", type=float, default=0.0, help="model seconds at the start left out of the results")
+    _add_load_shape(p)
     p.add_argument("--json", metavar="OUT", help="results JSON (default OUT_DIR/results.json)")
     p.add_argument("--out-dir", default="kvrouter-compare", help="report.md, results.json and charts (default ./kvrouter-compare)")
     p.set_defaults(func=cmd_compare)

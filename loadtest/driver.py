@@ -55,6 +55,14 @@ REPLICA_HEADER = "x-kvrouter-replica"
 ProgressFn = Callable[[str], None]
 
 
+
+async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancel session tasks still running (deadline or error) and wait until they are gone."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
 class StderrProgress:
     """Default progress output: one ``\\r``-rewritten line on a TTY, else a line every ``every`` calls."""
 
@@ -152,10 +160,7 @@ class _Run:
             if tasks:
                 await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
 
     async def trace_loop(self, arrivals: Sequence[tuple[float, Any]]) -> None:
         """Open loop across sessions: each ``(start model s, session)`` starts at its time."""
@@ -174,10 +179,7 @@ class _Run:
             if tasks:
                 await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
 
     async def run_session(self, session: Session, first: list[TurnRequest] | None = None) -> None:
         """Run ``session`` closed loop; ``first``, if given, is its first batch, sent at once."""
