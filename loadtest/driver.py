@@ -46,14 +46,13 @@ from kvrouter.loadtest.workload import (
     make_session,
 )
 from kvrouter.metrics.sglang import parse_metrics_text
+from kvrouter.router.relay import REPLICA_HEADER  # the router names the serving replica in it
 
 __all__ = ["run_load", "StderrProgress", "SESSION_HEADER", "REPLICA_HEADER"]
 
 SESSION_HEADER = "x-session-id"
-REPLICA_HEADER = "x-kvrouter-replica"
 
 ProgressFn = Callable[[str], None]
-
 
 
 async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
@@ -62,6 +61,7 @@ async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
         task.cancel()
     if tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
+
 
 class StderrProgress:
     """Default progress output: one ``\\r``-rewritten line on a TTY, else a line every ``every`` calls."""
