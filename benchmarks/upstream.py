@@ -1,64 +1,120 @@
 """A minimal SGLang-shaped upstream for data-plane benchmarks: no model time, just HTTP.
 
-POST /v1/chat/completions answers a small JSON body, or with "stream": true, `chunks` SSE events
-(each `chat.completion.chunk`) `interval_ms` apart, then `data: [DONE]`.
-Run: python benchmarks/upstream.py PORT
+POST /v1/chat/completions answers a small JSON body, or with "stream": true, `max_tokens` SSE events
+(each `chat.completion.chunk`, carrying `"t"`: the upstream's CLOCK_MONOTONIC in ns when it was
+written, so a client on the same host can measure per-chunk delivery latency)
+`metadata.interval_ms` apart, then `data: [DONE]`.
+
+Two HTTP stacks serve the same bytes:
+- `uvicorn` (default when installed): FastAPI on uvicorn with uvloop + httptools, SGLang's own
+  HTTP stack (`ORJSONResponse` / `StreamingResponse`, `timeout_keep_alive=5`, as its http_server);
+- `aiohttp`: an aiohttp web app.
+
+Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp]
 """
 
-from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
+import time
+from collections.abc import AsyncIterator
 
 import orjson
-from aiohttp import web
 
-_COMPLETION = orjson.dumps({
+COMPLETION = orjson.dumps({
     "id": "cmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                  "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
 })
+DONE = b"data: [DONE]\n\n"
+_HEAD = (b'data: {"id":"cmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench",'
+         b'"choices":[{"index":0,"delta":{"content":"t')
 
 
-def _chunk(i: int) -> bytes:
-    return b"data: " + orjson.dumps({
-        "id": "cmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench",
-        "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
-    }) + b"\n\n"
+def chunk(i: int) -> bytes:
+    """One SSE event, ~190 bytes like an SGLang token chunk."""
+    return (_HEAD + b"%d \"},\"finish_reason\":null}],\"t\":%d}\n\n" % (i, time.monotonic_ns()))
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    body = orjson.loads(await request.read())
-    if not body.get("stream"):
-        return web.Response(body=_COMPLETION, content_type="application/json")
-    chunks = int(body.get("chunks", 20))
-    interval = float(body.get("interval_ms", 0)) / 1000
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
+def stream_params(body: dict) -> tuple[int, float]:
+    """Chunks from `max_tokens` (or `max_completion_tokens`), pacing from `metadata.interval_ms`:
+    standard OpenAI fields, which routers that re-serialise requests (the SGLang gateway) keep."""
+    chunks = body.get("max_tokens") or body.get("max_completion_tokens") or 20
+    meta = body.get("metadata") or {}
+    return int(chunks), float(meta.get("interval_ms", 0)) / 1000
+
+
+async def events(chunks: int, interval: float) -> AsyncIterator[bytes]:
     for i in range(chunks):
-        await resp.write(_chunk(i))
+        yield chunk(i)
         if interval:
             await asyncio.sleep(interval)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    yield DONE
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="")
+def aiohttp_app():  # type: ignore[no-untyped-def]
+    from aiohttp import web
+
+    async def chat(request: "web.Request") -> "web.StreamResponse":
+        body = orjson.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=COMPLETION, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async for data in events(*stream_params(body)):
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: "web.Request") -> "web.Response":
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+def fastapi_app():  # type: ignore[no-untyped-def]
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):  # type: ignore[no-untyped-def]
+        body = orjson.loads(await request.body())
+        if not body.get("stream"):
+            return Response(content=COMPLETION, media_type="application/json")
+        return StreamingResponse(events(*stream_params(body)), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(content=b"")
+
+    return app
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="SGLang-shaped benchmark upstream")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--server", choices=("uvicorn", "aiohttp"), default="aiohttp")
+    args = parser.parse_args()
+    if args.server == "uvicorn":
+        import uvicorn
+
+        uvicorn.run(fastapi_app(), host="127.0.0.1", port=args.port, loop="uvloop",
+                    http="httptools", log_level="warning", access_log=False, timeout_keep_alive=5)
+        return
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+    from aiohttp import web
+
+    web.run_app(aiohttp_app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,18 @@ def _router_config(args: argparse.Namespace) -> RouterConfig:
     return config
 
 
+def _reread(args: argparse.Namespace) -> RouterConfig | None:
+    """SIGHUP re-reads the same file with the same flags on top (None: no file to re-read).
+    A module-level function (with functools.partial), so --workers can hand it to each worker."""
+    return _router_config(args) if args.config else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import functools
+
     from kvrouter.router.serve import run
 
-    # SIGHUP re-reads the same file with the same flags on top.
-    run(_router_config(args), reader=lambda: _router_config(args) if args.config else None)
-    return 0
+    return run(_router_config(args), reader=functools.partial(_reread, args), workers=args.workers)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -45,6 +51,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", help="bind address")
     p.add_argument("--port", type=int, help="data port")
     p.add_argument("--policy", help="routing policy name")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes sharing the port (SO_REUSEPORT); > 1 needs affinity.store: redis")
     p.set_defaults(func=cmd_serve)
 
 

@@ -5,6 +5,8 @@ Each Router owns its registry (no globals), so several routers can live in one p
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,6 +20,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "kvrouter_requests_total",
@@ -158,10 +161,23 @@ class RouterMetrics:
             registry=r,
         )
 
+    # -- hot-path label children -------------------------------------------------------------
+    # `Metric.labels(...)` validates and hashes its arguments and takes a lock on every call; the
+    # request path asks for the same few children per replica, route and reason over and over,
+    # so they are looked up once and kept here (dropped with the replica in `forget_replica`).
+    def child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def forget_replica(self, replica: str) -> None:
+        for key in [k for k in self._children if replica in k[1]]:
+            del self._children[key]
         for metric in (self.in_flight, self.replica_healthy, self.poll_errors, self.signal_age,
                        self.polled_running, self.polled_queued, self.polled_token_usage,
                        self.kv_events, self.kv_events_gaps):

@@ -53,8 +53,10 @@ class Router:
         policy: Policy | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        worker: int | None = None,
     ) -> None:
         self.config = config
+        self.worker = worker  # index under `serve --workers N`, else None
         self.clock = clock
         self.metrics = RouterMetrics()
         self.registry = ReplicaRegistry(config.replicas, config.signals.failure_threshold)
@@ -89,7 +91,7 @@ class Router:
             drop.append("authorization")  # the client's key is for the router, not the replicas
         self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock,
                            replica_header=config.server.replica_header,
-                           drop_headers=tuple(drop), inject_headers=inject)
+                           drop_headers=tuple(drop), inject_headers=inject, worker=worker)
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
@@ -200,9 +202,10 @@ class Router:
 
     # -- application --------------------------------------------------------------------------
     def build_app(self) -> web.Application:
+        # The auth middleware only when client keys are configured (they are read once, at start).
+        middlewares = [self._errors_middleware] + ([self._auth_middleware] if self.api_keys else [])
         app = web.Application(
-            client_max_size=self.config.server.max_body_bytes,
-            middlewares=[self._errors_middleware, self._auth_middleware],
+            client_max_size=self.config.server.max_body_bytes, middlewares=middlewares,
         )
         expect = {"expect_handler": self._expect}
         for route in INFERENCE_ROUTES:
@@ -299,8 +302,9 @@ class Router:
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.duration.labels(route).observe(self.clock() - started)
+            m = self.metrics
+            m.child(m.requests, route, str(status)).inc()
+            m.child(m.duration, route).observe(self.clock() - started)
 
     async def _inference(
         self, request: web.Request, route: str, request_id: str
@@ -310,8 +314,11 @@ class Router:
             return error_response(503, "router is shutting down", "service_unavailable",
                                   {**rid_header, "Retry-After": "1", "Connection": "close"})
         try:
-            async with asyncio.timeout(self.config.server.client_body_timeout_s):
+            if request.content.is_eof():  # the whole body came with the headers: no timer needed
                 body = await request.read()  # 413 (via middleware) above max_body_bytes
+            else:
+                async with asyncio.timeout(self.config.server.client_body_timeout_s):
+                    body = await request.read()
         except TimeoutError:
             return error_response(408, "request body not received in time", "invalid_request_error",
                                   {**rid_header, "Connection": "close"})

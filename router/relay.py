@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -21,11 +21,12 @@ from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
-from .headers import REQUEST_ID, end_to_end
+from .headers import REQUEST_ID, drop_set, end_to_end
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
 REPLICA_HEADER = "x-kvrouter-replica"
+WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
 _RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
 _BROKEN_BODY = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
@@ -38,21 +39,28 @@ class UpstreamBroken(Exception):
         self.kind = kind
 
 
-async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Upstream body chunks as they arrive; upstream failures become `UpstreamBroken`, so they
-    are never confused with the client going away while we write."""
-    try:
-        async for chunk in upstream.content.iter_any():
-            yield chunk
-    except _BROKEN_BODY as err:
-        raise UpstreamBroken("timeout" if isinstance(err, asyncio.TimeoutError) else "midstream") from err
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 
-def _last_event_end(data: bytes) -> int:
+def _last_event_end(data: bytes | bytearray) -> int:
     """Index just past the last complete SSE event in `data`, or 0 if there is none."""
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _broken(err: BaseException) -> UpstreamBroken:
+    """Upstream read failures become `UpstreamBroken`, so they are never confused with the
+    client going away while we write."""
+    return UpstreamBroken("timeout" if isinstance(err, asyncio.TimeoutError) else "midstream")
+
+
+class _Response(web.StreamResponse):
+    """A streamed response whose status line and headers go out in the same write as the first
+    body bytes (aiohttp's `Response` does this for whole bodies; `StreamResponse` sends headers
+    on `prepare`). One segment instead of two: nothing for Nagle or delayed ACKs to hold back."""
+
+    _send_headers_immediately = False
 
 
 class Relay:
@@ -66,11 +74,15 @@ class Relay:
         replica_header: bool = False,
         drop_headers: tuple[str, ...] = (),
         inject_headers: dict[str, str] | None = None,
+        worker: int | None = None,
     ) -> None:
         self.replica_header = replica_header
+        self.worker_id = str(worker) if worker is not None else None
         # Client headers never forwarded (routing hints, the client's own API key) and headers
         # the router adds to every upstream request (its replica credentials).
         self.drop_headers = drop_headers
+        self._drop = drop_set(drop_headers)
+        self._no_drop = drop_set()
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
         self.registry = engine.registry
@@ -128,12 +140,16 @@ class Relay:
         target: str | None = None,
     ) -> web.StreamResponse:
         assert self.session is not None, "Relay.start() not called"
-        headers = end_to_end(request.headers, self.drop_headers)
-        headers.update(self.inject_headers)
+        headers = end_to_end(request.headers, self._drop)
+        if self.inject_headers:
+            headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
         tried: set[str] = set()
         last_problem = "no healthy replica"
         policy = self.engine.policy.name
+        child = self.metrics.child
+        m = self.metrics
+        path_qs = request.rel_url.path_qs
         for attempt in range(self.config.max_attempts):
             if tried:
                 summary = dataclasses.replace(summary, exclude=frozenset(tried))
@@ -157,31 +173,33 @@ class Relay:
                 if decision.home is not None and home not in (None, url) and home in self.registry:
                     url = home  # another request or router set this session's home first
             tried.add(url)
-            self.metrics.decisions.labels(policy, decision.reason).inc()
-            self.metrics.prompt_tokens.inc(summary.prompt_tokens)
-            self.metrics.est_cached_tokens.inc(
-                min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
-            )
+            child(m.decisions, policy, decision.reason).inc()
+            if summary.prompt_tokens:
+                m.prompt_tokens.inc(summary.prompt_tokens)
+                cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
+                if cached:
+                    m.est_cached_tokens.inc(cached)
             self.engine.dispatched(url, summary)
-            self.metrics.in_flight.labels(url).inc()
+            in_flight = child(m.in_flight, url)
+            in_flight.inc()
             try:
                 sent = self.clock()
                 try:
                     upstream = await self.session.request(
-                        request.method, url + request.rel_url.path_qs, data=body, headers=headers
+                        request.method, url + path_qs, data=body, headers=headers
                     )
                 except _RETRYABLE as err:
                     self.registry.record_failure(url)
                     kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "connect"
-                    self.metrics.upstream_errors.labels(url, kind).inc()
-                    self.metrics.retries.labels(kind).inc()
+                    child(m.upstream_errors, url, kind).inc()
+                    child(m.retries, kind).inc()
                     last_problem = f"replica {url} unreachable ({kind})"
                     continue
                 self.registry.record_success(url)
                 last_try = attempt + 1 >= self.config.max_attempts
                 if upstream.status in self.config.retry_statuses and not last_try:
-                    self.metrics.upstream_errors.labels(url, f"http_{upstream.status}").inc()
-                    self.metrics.retries.labels(f"http_{upstream.status}").inc()
+                    child(m.upstream_errors, url, f"http_{upstream.status}").inc()
+                    child(m.retries, f"http_{upstream.status}").inc()
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
                     continue
@@ -189,7 +207,7 @@ class Relay:
             finally:
                 self.engine.completed(url, summary)
                 if url in self.registry:  # a removed replica's gauge is gone; don't recreate it at -1
-                    self.metrics.in_flight.labels(url).dec()
+                    in_flight.dec()
         return error_response(
             503,
             f"no replica could take the request: {last_problem}",
@@ -205,10 +223,12 @@ class Relay:
         request_id: str,
         sent: float,
     ) -> web.StreamResponse:
-        headers = end_to_end(upstream.headers)
+        headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
         if self.replica_header:
             headers[REPLICA_HEADER] = url
+            if self.worker_id is not None:
+                headers[WORKER_HEADER] = self.worker_id
         sse = upstream.content_type == "text/event-stream"
         try:
             length = upstream.content_length
@@ -216,12 +236,12 @@ class Relay:
                 try:
                     payload = await upstream.read()
                 except _BROKEN_BODY:
-                    self.metrics.upstream_errors.labels(url, "body").inc()
+                    self.metrics.child(self.metrics.upstream_errors, url, "body").inc()
                     return error_response(
                         502, f"replica {url} failed while sending its response", "upstream_error",
                         headers={REQUEST_ID: request_id},
                     )
-                self.metrics.upstream_ttfb.labels(url).observe(self.clock() - sent)
+                self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
                 return web.Response(status=upstream.status, body=payload, headers=headers)
             return await self._stream(request, upstream, url, headers, sse, sent)
         finally:
@@ -236,26 +256,39 @@ class Relay:
         sse: bool,
         sent: float,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
-        pending = b""
-        first = True
+        response = _Response(status=upstream.status, headers=headers)
+        await response.prepare(request)  # headers are buffered until the first body write
+        write = response.write
+        content = upstream.content
+        tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
         try:
-            async for chunk in _chunks(upstream):
-                if first:
-                    self.metrics.upstream_ttfb.labels(url).observe(self.clock() - sent)
-                    first = False
-                if sse:
-                    # Forward whole events only, so a failure later can never leave half a line.
-                    data = pending + chunk if pending else chunk
-                    cut = _last_event_end(data)
-                    pending = data[cut:]
-                    if cut:
-                        await response.write(data[:cut] if pending else data)
+            try:
+                chunk = await content.readany()
+            except _BROKEN_BODY as err:
+                raise _broken(err) from err
+            self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+            while chunk:
+                if not sse:
+                    await write(chunk)
+                elif not tail and chunk.endswith(_EVENT_ENDS):
+                    await write(chunk)  # the common case: whole events, relayed as they are
                 else:
-                    await response.write(chunk)
+                    # Forward whole events only, so a failure later can never leave half a
+                    # line. Only the new bytes (and 3 before them) are scanned for a boundary.
+                    overlap = min(3, len(tail))
+                    cut = _last_event_end(tail[len(tail) - overlap:] + chunk if overlap else chunk)
+                    if cut:
+                        k = cut - overlap  # >= 1: the old tail held no complete event
+                        await write(bytes(tail) + chunk[:k] if tail else chunk[:k])
+                        tail = bytearray(chunk[k:])
+                    else:
+                        tail += chunk
+                try:
+                    chunk = await content.readany()
+                except _BROKEN_BODY as err:
+                    raise _broken(err) from err
         except UpstreamBroken as err:
-            self.metrics.upstream_errors.labels(url, err.kind).inc()
+            self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
             if sse:
                 await response.write(sse_error_event(f"replica {url} failed mid-stream ({err.kind})"))
                 await response.write_eof()
@@ -264,7 +297,7 @@ class Relay:
                 # body off as complete: abort the connection so the client sees the failure.
                 request.transport.abort()
             return response
-        if pending:
-            await response.write(pending)
+        if tail:
+            await response.write(bytes(tail))
         await response.write_eof()
         return response

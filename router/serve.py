@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import socket
 from collections.abc import Callable
 
 from aiohttp import web
@@ -25,8 +29,12 @@ def install_uvloop() -> bool:
     return True
 
 
-async def start_site(router: Router, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner and the bound port (useful with port 0)."""
+async def start_site(
+    router: Router, host: str, port: int, reuse_port: bool = False
+) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner and the bound port (useful with port 0).
+    `reuse_port`: SO_REUSEPORT, so several worker processes share the port (the kernel spreads
+    new connections over them)."""
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection, so SGLang aborts the request instead of decoding for nobody.
     # shutdown_timeout: on cleanup, in-flight handlers get this long to finish (the grace period).
@@ -38,7 +46,7 @@ async def start_site(router: Router, host: str, port: int) -> tuple[web.AppRunne
         shutdown_timeout=server.shutdown_grace_s, keepalive_timeout=server.client_header_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
     return runner, runner.addresses[0][1]
 
@@ -83,15 +91,22 @@ async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
     log.info("shut down cleanly")
 
 
-async def serve(config: RouterConfig, reader: Callable[[], RouterConfig] | None = None) -> None:
+async def serve(
+    config: RouterConfig,
+    reader: Callable[[], RouterConfig] | None = None,
+    worker: int | None = None,
+) -> None:
     from .admin import admin_token, start_admin_site
 
     install_log_redaction()
     quiet_client_protocol_errors()
-    router = Router(config)
-    runner, port = await start_site(router, config.server.host, config.server.port)
+    router = Router(config, worker=worker)
+    runner, port = await start_site(
+        router, config.server.host, config.server.port, reuse_port=worker is not None
+    )
     log.info(
-        "kvrouter listening on http://%s:%d policy=%s replicas=%d",
+        "kvrouter %slistening on http://%s:%d policy=%s replicas=%d",
+        f"worker {worker} (pid {os.getpid()}) " if worker is not None else "",
         config.server.host, port, router.policy.name, len(router.registry),
     )
     admin_runner = None
@@ -115,6 +130,102 @@ async def serve(config: RouterConfig, reader: Callable[[], RouterConfig] | None 
     await graceful_stop(router, runner)
 
 
-def run(config: RouterConfig, reader: Callable[[], RouterConfig] | None = None) -> None:
+def check_workers(config: RouterConfig, workers: int) -> None:
+    """Refuse worker counts that cannot work, with one line saying why."""
+    from .admin import admin_token
+
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be at least 1")
+    if workers == 1:
+        return
+    if config.affinity.store != "redis":
+        raise ConfigError(
+            f"--workers {workers} needs affinity.store: redis (the in-memory store lives in one "
+            "process, so workers would disagree on session homes); use --workers 1 or Redis"
+        )
+    if admin_token(config.admin) is not None:
+        raise ConfigError(
+            f"--workers {workers}: the admin API changes one process's state; unset "
+            f"{config.admin.token_env} or use --workers 1"
+        )
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker if the parent dies (even by SIGKILL), so no orphan keeps the port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(config: RouterConfig, reader: Callable[[], RouterConfig] | None, index: int) -> None:
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_uvloop()
+    asyncio.run(serve(config, reader, worker=index))
+
+
+def run_workers(
+    config: RouterConfig, workers: int, reader: Callable[[], RouterConfig] | None = None
+) -> int:
+    """N worker processes on one port (SO_REUSEPORT); session homes and per-session in-flight
+    counts are shared through Redis. The parent forwards SIGTERM/SIGINT (graceful stop) and
+    SIGHUP (reload) to every worker; if one worker dies, the others are stopped too, so a
+    supervisor sees the failure. Returns the exit status."""
+    check_workers(config, workers)
+    holder = None
+    if config.server.port == 0:  # pick one port for all workers; hold it until they are done
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((config.server.host, 0))
+        port = holder.getsockname()[1]
+        config = config.model_copy(update={"server": config.server.model_copy(update={"port": port})})
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no inherited loop or sockets
+    procs = [ctx.Process(target=_worker_main, args=(config, reader, i), name=f"kvrouter-worker-{i}")
+             for i in range(workers)]
+
+    stopping = [False]
+
+    def forward(sig: int, _frame: object = None) -> None:
+        if sig != signal.SIGHUP:
+            if stopping[0]:
+                return  # once: a second SIGTERM would kill a worker that is already shutting down
+            stopping[0] = True
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM if sig == signal.SIGINT else sig)
+                except ProcessLookupError:
+                    pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        for p in procs:
+            p.start()
+        log.info("kvrouter: %d workers on port %d (SO_REUSEPORT), pids %s", workers,
+                 config.server.port, " ".join(str(p.pid) for p in procs))
+        multiprocessing.connection.wait([p.sentinel for p in procs])
+        forward(signal.SIGTERM)  # one exited (stop requested, or it died): stop the rest
+        grace = config.server.shutdown_delay_s + config.server.shutdown_grace_s + 10
+        for p in procs:
+            p.join(grace)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    finally:
+        if holder is not None:
+            holder.close()
+    codes = [p.exitcode or 0 for p in procs]
+    return next((c if c > 0 else 128 - c for c in codes if c), 0)
+
+
+def run(config: RouterConfig, reader: Callable[[], RouterConfig] | None = None, workers: int = 1) -> int:
+    if workers > 1:
+        return run_workers(config, workers, reader)
+    check_workers(config, workers)
     install_uvloop()
     asyncio.run(serve(config, reader))
+    return 0

@@ -1,0 +1,136 @@
+"""Wire-level guarantees of the relay (no timing assertions):
+
+- a streamed response's status line and headers leave in the same write as its first event, so
+  no client waits on a delayed ACK for the rest of a split response (checked at the socket: the
+  upstream holds its first event back, and the client's first recv() must already contain it);
+- TCP_NODELAY on both of the router's sockets (client side and replica side);
+- SSE events split anywhere across upstream reads are relayed byte-identical, and a stream that
+  breaks mid-event delivers only whole events, then the error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+from aiohttp import web
+
+from kvrouter.router.app import Router
+from kvrouter.router.config import parse_config
+from kvrouter.router.serve import start_site
+
+CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+
+
+def scripted_upstream(pieces: list[bytes], delay_s: float = 0.02, abort: bool = False) -> web.Application:
+    """Writes `pieces` one by one with a pause between them (so the router reads them apart)."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in pieces:
+            await asyncio.sleep(delay_s)
+            await resp.write(piece)
+        if abort:
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def _router(replica: str) -> tuple[Router, web.AppRunner, int]:
+    router = Router(parse_config({"replicas": [replica], "signals": {"source": "health"}}))
+    runner, port = await start_site(router, "127.0.0.1", 0)
+    return router, runner, port
+
+
+async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(start_app):
+    first = b'data: {"n":0}\n\n'
+    replica = await start_app(scripted_upstream([first, b"data: [DONE]\n\n"], delay_s=0.2))
+    router, runner, port = await _router(replica)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(65536), 10)
+        # The upstream's own headers went out 0.2 s before its first event; the router's did not.
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert first in head, head
+        # Both of the router's sockets for this exchange have Nagle off.
+        server_socks = [h.transport.get_extra_info("socket") for h in runner.server.connections
+                        if h.transport is not None]
+        assert server_socks
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in server_socks)
+        assert router.relay.session is not None
+        conns = [proto for protos in router.relay.session.connector._conns.values() for proto, _ in protos]
+        conns += list(router.relay.session.connector._acquired)
+        upstream_socks = [p.transport.get_extra_info("socket") for p in conns if p.transport is not None]
+        assert upstream_socks
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in upstream_socks)
+        await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+EVENTS = [b'data: {"a":1}\n\n', b'data: {"b":2}\r\n\r\n', b"event: x\ndata: {\"c\":3}\n\n",
+          b'data: {"d":4}\n\n', b"data: [DONE]\n\n"]
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    out, last = [], 0
+    for c in sorted(set(cuts)):
+        if 0 < c < len(data):
+            out.append(data[last:c])
+            last = c
+    return out + [data[last:]]
+
+
+async def test_events_split_anywhere_are_relayed_byte_identical(start_app):
+    stream = b"".join(EVENTS)
+    seps = [i for i in range(len(stream)) if stream[i:i + 1] in (b"\n", b"\r")]
+    patterns = [
+        [s + 1 for s in seps],                                # after every line-ending byte
+        [s for s in seps],                                    # just before each
+        list(range(3, len(stream), 7)),                       # arbitrary
+    ]
+    for cuts in patterns:
+        replica = await start_app(scripted_upstream(_split(stream, cuts), delay_s=0.005))
+        _, runner, port = await _router(replica)
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=CHAT,
+                                       headers={"Content-Type": "application/json"}) as resp:
+                    assert await resp.read() == stream
+        finally:
+            await runner.cleanup()
+
+
+async def test_break_mid_event_delivers_whole_events_then_the_error(start_app):
+    # Two whole events, then half of a third split over two reads, then the connection dies.
+    pieces = [EVENTS[0] + EVENTS[1][:5], EVENTS[1][5:] + b'data: {"tru', b'ncated":']
+    replica = await start_app(scripted_upstream(pieces, delay_s=0.01, abort=True))
+    _, runner, port = await _router(replica)
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=CHAT,
+                                   headers={"Content-Type": "application/json"}) as resp:
+                body = await resp.read()
+    finally:
+        await runner.cleanup()
+    assert body.startswith(EVENTS[0] + EVENTS[1])
+    rest = body[len(EVENTS[0] + EVENTS[1]):]
+    assert b"tru" not in rest and rest.startswith(b"data: {\"error\""), rest
+    assert rest.endswith(b"data: [DONE]\n\n")
