@@ -265,12 +265,16 @@ class ClusterSimulator:
             self._reply(idx, req, None)
             return
         url = decision.replica
+        # The same home bookkeeping as the live relay (router/relay.py).
         home = self.table.begin(session.session_id, decision.home or url,
-                                force=decision.reason == "rehome", tokens=prompt, now=self.now)
-        if decision.home is not None and home not in (None, url) and home in self.registry:
+                                force=decision.home is not None and view.home not in (None, decision.home),
+                                tokens=prompt, now=self.now)
+        usable = self.registry.view(home) if home is not None else None
+        if decision.home is not None and home != url and usable is not None and usable.healthy:
             url = home
         self.decisions[decision.reason] += 1
         self.engine.dispatched(url, summary)
+        self.engine.accepted(url, summary)  # simulated replicas never refuse a request
         rid = f"r{next(self._rid)}"
         record.replica = url
         self._flights[rid] = _Flight(req, idx, url, summary, self.now, record)

@@ -78,11 +78,12 @@ class CodingAgent:
             others = [r for r in self._pool(snapshot, request, rng) if r.id != home.id]
             if not others:
                 return Decision(home.id, "affinity")
-            choice, reason = self._cheapest(others, request, rng, "overflow")
+            choice, reason = self._cheapest(others, request, rng, "overflow", placement=False)
             # Shed only where it pays: a cold prefill elsewhere must beat queueing at home.
-            home_cost = expected_cost(self.params.cost, home, request, is_home=True)
+            cost = self.params.cost
+            home_cost = expected_cost(cost, home, request, is_home=True, placement=False)
             home_cost += self._sibling_wait(session, request)
-            if expected_cost(self.params.cost, choice, request) < home_cost:
+            if expected_cost(cost, choice, request, placement=False) < home_cost:
                 return Decision(choice.id, reason)
             return Decision(home.id, "affinity")
 
@@ -124,9 +125,13 @@ class CodingAgent:
         return session.in_flight * (warm + self.params.cost.decode_s_per_running)
 
     def _prefix_home(self, snapshot: Snapshot, request: RequestSummary) -> str | None:
+        """The usable replica holding the most of the prompt, if it holds enough of it."""
         if not request.cached_tokens or request.prompt_tokens <= 0:
             return None
-        best, cached = max(request.cached_tokens.items(), key=lambda kv: (kv[1], kv[0]))
+        usable = [kv for kv in request.cached_tokens.items() if snapshot.usable(kv[0], request)]
+        if not usable:
+            return None
+        best, cached = max(usable, key=lambda kv: (kv[1], kv[0]))
         if cached >= self.params.prefix_home_min_fraction * request.prompt_tokens:
             return best
         return None
@@ -137,16 +142,23 @@ class CodingAgent:
             return []
         limit = self.params.fresh_until_mean_ratio * snapshot.mean_load()
         views = (snapshot.usable(rid, request) for rid in fresh)
-        return [r for r in views if r is not None and (r.load < limit or r.load == 0)]
+        return [r for r in views
+                if r is not None and not self.overloaded(r) and (r.load < limit or r.load == 0)]
 
     def _cheapest(
-        self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random, reason: str
+        self,
+        pool: list[ReplicaView],
+        request: RequestSummary,
+        rng: random.Random,
+        reason: str,
+        *,
+        placement: bool = True,
     ) -> tuple[ReplicaView, str]:
         p = self.params
         usable = [r for r in pool if not self.overloaded(r)]
         if not usable:
             usable, reason = pool, "fallback"
-        costs = [(expected_cost(p.cost, r, request), r) for r in usable]
+        costs = [(expected_cost(p.cost, r, request, placement=placement), r) for r in usable]
         best = min(c for c, _ in costs)
         ties = [r for c, r in costs if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
         if len(ties) == 1:

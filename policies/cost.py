@@ -37,8 +37,17 @@ def prefill_s(p: CostParams, uncached: int, cached: int) -> float:
 
 
 def expected_cost(
-    p: CostParams, replica: ReplicaView, request: RequestSummary, *, is_home: bool = False
+    p: CostParams,
+    replica: ReplicaView,
+    request: RequestSummary,
+    *,
+    is_home: bool = False,
+    placement: bool = True,
 ) -> float:
+    """Seconds until this request's first token on `replica`. With `placement` (a session being
+    homed there) the cost also counts the KV demand and sessions already homed there and the
+    capacity penalty; without it (one overflow request, the home unchanged) only the wait and
+    the prefill count."""
     prompt = request.prompt_tokens
     cached = min(request.cached_tokens.get(replica.id, 0), prompt)
     on_host = min(request.host_cached_tokens.get(replica.id, 0), prompt - cached)
@@ -53,6 +62,9 @@ def expected_cost(
     usage = replica.token_usage or 0.0
     if usage > p.capacity_target:
         cost += p.queue_s_per_waiting * (usage - p.capacity_target) / (1.0 - p.capacity_target + 1e-9)
+
+    if not placement:
+        return cost
 
     # KV the replica's homed sessions already need; a new session adds its whole context.
     capacity = replica.max_total_num_tokens or p.default_capacity_tokens

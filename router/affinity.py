@@ -141,6 +141,7 @@ class RedisAffinityStore:
         self.degraded = False
         self._down_until = 0.0
         self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
+        self._unreleased: dict[str, int] = {}  # decrements that failed, retried on heartbeat
         self.redis = aioredis.Redis.from_url(
             url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
             retry_on_timeout=False, health_check_interval=0,
@@ -219,6 +220,16 @@ class RedisAffinityStore:
             self._ok()
         except Exception as err:
             self._failed("end", err)
+            # Redis still counts it: give it back once Redis answers again (heartbeat), or the
+            # session would look busier than it is for as long as this router lives.
+            self._unreleased[key] = self._unreleased.get(key, 0) + 1
+
+    async def _release_pending(self) -> None:
+        for key in list(self._unreleased):
+            await self._end(keys=[self._key(key)], args=[self.router_id])
+            left = self._unreleased.pop(key) - 1
+            if left > 0:
+                self._unreleased[key] = left
 
     async def move(self, key: str, home: str) -> None:
         await self.local.move(key, home)
@@ -235,6 +246,7 @@ class RedisAffinityStore:
             try:
                 await self._beat(keys=[self._routers_key], args=[self.router_id, self.lease_ms])
                 self._ok()
+                await self._release_pending()
             except Exception as err:
                 self._failed("heartbeat", err)
             await asyncio.sleep(self.lease_ms / 3000)

@@ -56,6 +56,7 @@ class RoutingEngine:
     def add_replica(self, url: str, now: float, *, fresh: bool = True) -> bool:
         if not self.registry.add(url, fresh=fresh):
             return False
+        self.sync_homed(url)  # a replica coming back still has sessions homed on it
         if fresh:
             self.fresh_since[url] = now
         return True
@@ -82,6 +83,9 @@ class RoutingEngine:
 
     def dispatched(self, replica: str, summary: RequestSummary) -> None:
         self.registry.dispatched(replica, summary.prompt_tokens)
+
+    def accepted(self, replica: str, summary: RequestSummary) -> None:
+        """The replica took the request (it answered): it will cache the prompt."""
         if summary.prefix_blocks:
             self.index.record(replica, summary.prefix_blocks)
 
@@ -99,21 +103,30 @@ class RoutingEngine:
             return 0.0, 0.0, 0.0
         return mean, max(loads) / mean, statistics.pstdev(loads) / mean
 
+    def _policy_param(self, *path: str, default: float) -> float:
+        """A policy parameter the housekeeping shares with the policy (e.g. cost.capacity_target);
+        `default` for policies without it."""
+        value: object = getattr(self.policy, "params", None)
+        for name in path:
+            value = getattr(value, name, None)
+        return float(value) if isinstance(value, (int, float)) else default
+
     def settle_fresh(self) -> None:
-        """A fresh replica whose load reached the cluster mean is an ordinary replica again."""
+        """A fresh replica whose load reached `fresh_until_mean_ratio` x the cluster mean is an
+        ordinary replica again."""
         mean, _, _ = self.load_stats()
+        limit = self._policy_param("fresh_until_mean_ratio", default=1.0) * mean
         for view in self.registry.snapshot().replicas:
-            if view.fresh and mean > 0 and view.load >= mean:
+            if view.fresh and mean > 0 and view.load >= limit:
                 self.registry.mark_settled(view.id)
                 self.fresh_since.pop(view.id, None)
 
-    def plan_rebalance(
-        self, now: float, min_fresh_age_s: float, max_moves: int, capacity_target: float = 0.9
-    ) -> list[Move]:
+    def plan_rebalance(self, now: float, min_fresh_age_s: float, max_moves: int) -> list[Move]:
         """At most `max_moves` idle sessions to move (never one with a request in flight):
         1. onto fresh replicas still below the mean after `min_fresh_age_s`, from the hottest
            replicas, smallest context (cheapest re-prefill) first;
-        2. off replicas whose homed sessions need more KV than `capacity_target` of their capacity
+        2. off replicas whose homed sessions need more KV than the policy's `capacity_target` of
+           their capacity
            (sessions grow turn by turn), least recently active first: under LRU their cache is the
            one already evicted, so the move costs them nothing extra."""
         if not getattr(self.policy, "uses_affinity", False) or max_moves <= 0:
@@ -128,8 +141,11 @@ class RoutingEngine:
         for m in moves:
             sessions[m.source] -= 1
             sessions[m.target] += 1
-        capacity = {v.id: capacity_target * (v.max_total_num_tokens or self.default_capacity_tokens)
-                    for v in views}
+        fill = self._policy_param("cost", "capacity_target", default=0.9)
+        default_capacity = self._policy_param(
+            "cost", "default_capacity_tokens", default=self.default_capacity_tokens
+        )
+        capacity = {v.id: fill * (v.max_total_num_tokens or default_capacity) for v in views}
         for hot in sorted(views, key=lambda v: -demand[v.id] / capacity[v.id]):
             if demand[hot.id] <= capacity[hot.id] or len(moves) >= max_moves:
                 break

@@ -150,6 +150,7 @@ class Relay:
         child = self.metrics.child
         m = self.metrics
         path_qs = request.rel_url.path_qs
+        recorded_home: list[str | None] = [None]
         for attempt in range(self.config.max_attempts):
             if tried:
                 summary = dataclasses.replace(summary, exclude=frozenset(tried))
@@ -162,23 +163,28 @@ class Relay:
             if decision is None:
                 break
             url = decision.replica
-            if summary.session_key is not None and not began[0]:
+            key = summary.session_key
+            if key is not None and not began[0]:
                 began[0] = True
                 # A session without a home gets the replica of its first request (policies that
                 # do not assign homes too, so sessions per replica can be counted for every policy).
+                # A decision that names a new home replaces an old one (rehome, or a fallback away
+                # from an unusable home); a brand-new session's home goes to the first writer.
+                old_home = session.home if session is not None else None
                 home = await self.affinity.begin(
-                    summary.session_key, decision.home or (url if target is None else None),
-                    force=decision.reason == "rehome", tokens=summary.prompt_tokens,
+                    key, decision.home or (url if target is None else None),
+                    force=decision.home is not None and old_home not in (None, decision.home),
+                    tokens=summary.prompt_tokens,
                 )
-                if decision.home is not None and home not in (None, url) and home in self.registry:
+                recorded_home[0] = home
+                if decision.home is not None and home not in (None, url) and self._usable(home):
                     url = home  # another request or router set this session's home first
+            elif key is not None and decision.home is not None and decision.home != recorded_home[0]:
+                # A retry placed the session elsewhere: its KV will live there, so its home too.
+                await self.affinity.move(key, decision.home)
+                recorded_home[0] = decision.home
             tried.add(url)
             child(m.decisions, policy, decision.reason).inc()
-            if summary.prompt_tokens:
-                m.prompt_tokens.inc(summary.prompt_tokens)
-                cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
-                if cached:
-                    m.est_cached_tokens.inc(cached)
             self.engine.dispatched(url, summary)
             in_flight = child(m.in_flight, url)
             in_flight.inc()
@@ -203,6 +209,13 @@ class Relay:
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
                     continue
+                # Accepted: only now does the replica cache the prompt (index, CHR estimate).
+                self.engine.accepted(url, summary)
+                if summary.prompt_tokens:
+                    m.prompt_tokens.inc(summary.prompt_tokens)
+                    cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
+                    if cached:
+                        m.est_cached_tokens.inc(cached)
                 return await self._relay(request, upstream, url, request_id, sent)
             finally:
                 self.engine.completed(url, summary)
@@ -214,6 +227,10 @@ class Relay:
             "service_unavailable",
             headers={"Retry-After": "1", REQUEST_ID: request_id},
         )
+
+    def _usable(self, replica: str) -> bool:
+        view = self.registry.view(replica)
+        return view is not None and view.healthy
 
     async def _relay(
         self,

@@ -96,3 +96,21 @@ async def test_slow_redis_is_bounded_by_timeouts(redis_server):
     finally:
         redis_server.resume()
         await s.close()
+
+
+async def test_a_failed_release_is_given_back_when_redis_returns(redis_server):
+    s = store(redis_server.url, op_timeout_s=0.2, lease_s=0.6)
+    other = store(redis_server.url)
+    await s.start(), await other.start()
+    try:
+        await s.begin("s", "http://r1", force=False, tokens=10)
+        redis_server.pause()  # the release below fails: Redis would keep counting the request
+        await s.end("s")
+        redis_server.resume()
+        for _ in range(100):  # the next heartbeat gives it back
+            if (await other.get("s")).in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await other.get("s")).in_flight == 0
+    finally:
+        await s.close(), await other.close()

@@ -146,3 +146,25 @@ def test_params_parse_and_reject_bad_values():
         build_policy("coding-agent", {"session_high_water": 0})
     with pytest.raises(ValueError, match="bogus"):
         build_policy("coding-agent", {"bogus": 1})
+
+
+def test_overflow_compares_waiting_not_placement_terms():
+    # 2 siblings at home on a 100k-token session; the home carries 30 homed sessions. Homed
+    # sessions are future load, not this request's wait: it stays warm at home.
+    reps = [ReplicaView("a", in_flight=2, homed_sessions=30, homed_tokens=400_000),
+            ReplicaView("b"), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 98_000}), SessionView("s1", home="a", in_flight=2))
+    assert (d.replica, d.reason) == ("a", "affinity")
+
+
+def test_keyless_request_skips_an_unusable_best_holder():
+    reps = [ReplicaView("a", healthy=False), ReplicaView("b"), ReplicaView("f", fresh=True)]
+    d = decide(reps, req(key=None, cached={"a": 100_000, "b": 99_000}))
+    assert (d.replica, d.reason) == ("b", "affinity")
+
+
+def test_an_overloaded_fresh_replica_takes_no_new_sessions():
+    reps = [ReplicaView("a", token_usage=0.3), ReplicaView("b", token_usage=0.3),
+            ReplicaView("f", fresh=True, token_usage=0.97)]
+    d = decide(reps, req(), SessionView("s1"))
+    assert d.replica in {"a", "b"} and d.reason == "new_session"

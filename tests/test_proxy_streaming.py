@@ -117,3 +117,23 @@ async def test_non_streaming_body_relayed_with_content_length(start_app, start_r
             assert resp.content_length is not None
             assert (await resp.json())["object"] == "chat.completion"
     assert up.requests[0]["path"] == "/generate"
+
+
+async def test_retry_moves_a_new_sessions_home_to_the_replica_that_served_it(
+    start_app, start_router, closed_port_url
+):
+    up = FakeUpstream(name="good")
+    good = await start_app(up.app())
+    router, router_url = await start_router(
+        [closed_port_url, good], signals={"interval_s": 60},
+        server={"host": "127.0.0.1", "port": 0, "replica_header": True},
+    )
+    async with aiohttp.ClientSession() as client:
+        for i in range(6):  # some first attempts pick the dead replica, then retry on the good one
+            key = f"retry-{i}"
+            async with client.post(router_url + "/v1/chat/completions", json=CHAT,
+                                   headers={"x-session-id": key}) as resp:
+                assert resp.status == 200
+                served = resp.headers["x-kvrouter-replica"]
+            assert served == good
+            assert router.table.entry(key).home == good  # its KV is there, so is its home

@@ -152,3 +152,13 @@ def test_match_limit_keeps_the_deepest_holders():
     assert len(full) == 50 and full["r07"] == 6 * 64 and full["r31"] == 4 * 64
     top = idx.match(system + [10, 11, 12, 13], limit=3)
     assert top == {"r07": 6 * 64, "r31": 4 * 64, "r00": 3 * 64}
+
+
+def test_a_replica_coming_back_shows_the_sessions_still_homed_on_it():
+    eng = _engine(2)
+    for i in range(3):
+        eng.table.begin(f"s{i}", "r1", force=False, tokens=100_000, now=0)
+    eng.remove_replica("r1")
+    eng.add_replica("r1", now=1)
+    view = eng.registry.view("r1")
+    assert (view.homed_sessions, view.homed_tokens) == (3, 300_000)
