@@ -61,6 +61,7 @@ class SimConfig:
     housekeeping_interval_s: float = 1.0
     rebalance_interval_s: float = 10.0
     rebalance_max_moves: int = 4
+    rebalance_kv_pressure: bool = False  # as routing.rebalance_kv_pressure in the router config
     drain_s: float = 300.0  # after `duration_s`, in-flight requests get this long to finish
     # Initial sessions start at a random point of their life (steady-state context sizes, cold
     # caches, as after a restart); requests starting before `warmup_s` are not measured.
@@ -339,7 +340,8 @@ class ClusterSimulator:
         if self.now - self._last_rebalance >= self.config.rebalance_interval_s:
             self._last_rebalance = self.now
             for move in self.engine.plan_rebalance(
-                self.now, self.config.rebalance_interval_s, self.config.rebalance_max_moves
+                self.now, self.config.rebalance_interval_s, self.config.rebalance_max_moves,
+                kv_pressure=self.config.rebalance_kv_pressure,
             ):
                 self.table.set_home(move.session, move.target, self.now)
                 self.rebalanced += 1

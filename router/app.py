@@ -195,7 +195,8 @@ class Router:
             if now - last_rebalance >= routing.rebalance_interval_s:
                 last_rebalance = now
                 for move in self.engine.plan_rebalance(
-                    now, routing.rebalance_interval_s, routing.rebalance_max_moves
+                    now, routing.rebalance_interval_s, routing.rebalance_max_moves,
+                    kv_pressure=routing.rebalance_kv_pressure,
                 ):
                     await self.affinity.move(move.session, move.target)
                     self.metrics.rebalanced.inc()

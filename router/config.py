@@ -111,6 +111,9 @@ class RoutingConfig(_Strict):
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
     rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
+    rebalance_kv_pressure: bool = Field(
+        False, description="Also move long-idle sessions off replicas whose homed KV exceeds their capacity (helps fleets over-committed by a few very busy sessions; see docs/routing.md)."
+    )
     allow_target_hint: bool = Field(
         False, description="Honour a client's choice of replica (header or body field), only among "
         "known replicas (unknown -> 400). Off: the header is ignored and stripped.",
