@@ -61,7 +61,7 @@ from typing import Any, Union
 import orjson
 
 from .segment_keys import SegmentKeyCache
-from .workload import ReplyLike, Segment, TurnRequest, _quantile, count_tokens
+from .workload import ReplyLike, Segment, TurnRequest, _quantile, reply_as_segment
 
 __all__ = [
     "DATA_DIR",
@@ -177,11 +177,7 @@ class TraceSession:
 
     def reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
         """The output as a segment; unique key, so it never matches a later prompt (see module doc)."""
-        key = f"{self.session_id}/r{req.turn_index}/reply"
-        if isinstance(reply, str):
-            return Segment("assistant", count_tokens(reply), key, _text=reply)
-        tokens = req.expected_output_tokens if reply is None else int(reply)
-        return Segment("assistant", tokens, key)
+        return reply_as_segment(f"{self.session_id}/r{req.turn_index}/reply", req, reply)
 
     def planned(self) -> list[tuple[float, TurnRequest]]:
         """Every request with its nominal start offset (trace clock); does not advance the session."""

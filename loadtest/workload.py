@@ -58,6 +58,7 @@ __all__ = [
     "load_workload",
     "builtin_workloads",
     "Segment",
+    "reply_as_segment",
     "TurnRequest",
     "Session",
     "make_session",
@@ -341,6 +342,15 @@ class TurnRequest:
 ReplyLike = Union[str, int, None]
 
 
+def reply_as_segment(key: str, req: TurnRequest, reply: ReplyLike) -> Segment:
+    """A reply as an assistant segment: the server's text, a token count, or (None, a failed
+    request) the expected length."""
+    if isinstance(reply, str):
+        return Segment("assistant", count_tokens(reply), key, _text=reply)
+    tokens = req.expected_output_tokens if reply is None else int(reply)
+    return Segment("assistant", tokens, key)
+
+
 class Session:
     """Closed-loop state machine for one session.
 
@@ -393,11 +403,7 @@ class Session:
 
     def reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
         """The assistant message a reply becomes in the history (also what the KV cache holds)."""
-        key = f"{self.session_id}/t{req.turn_index}/b{req.branch_index}/reply"
-        if isinstance(reply, str):
-            return Segment("assistant", count_tokens(reply), key, _text=reply)
-        tokens = req.expected_output_tokens if reply is None else int(reply)
-        return Segment("assistant", tokens, key)
+        return reply_as_segment(f"{self.session_id}/t{req.turn_index}/b{req.branch_index}/reply", req, reply)
 
     def _draw_turn(self) -> list[TurnRequest]:
         cfg, rng, turn = self.config, self._rng, self.turn

@@ -114,12 +114,16 @@ class RoutingEngine:
     def settle_fresh(self) -> None:
         """A fresh replica whose load reached `fresh_until_mean_ratio` x the cluster mean is an
         ordinary replica again."""
-        mean, _, _ = self.load_stats()
+        snapshot = self.registry.snapshot()  # its fleet aggregates need no scan
+        mean = snapshot.mean_load()
+        if mean <= 0:
+            return
         limit = self._policy_param("fresh_until_mean_ratio", default=1.0) * mean
-        for view in self.registry.snapshot().replicas:
-            if view.fresh and mean > 0 and view.load >= limit:
-                self.registry.mark_settled(view.id)
-                self.fresh_since.pop(view.id, None)
+        for replica_id in snapshot.fresh_ids():
+            view = snapshot.get(replica_id)
+            if view is not None and view.load >= limit:
+                self.registry.mark_settled(replica_id)
+                self.fresh_since.pop(replica_id, None)
 
     def plan_rebalance(
         self,

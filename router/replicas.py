@@ -92,9 +92,6 @@ class ReplicaRegistry:
             )
         return self._snapshot
 
-    def any_healthy(self) -> bool:
-        return any(v.healthy for v in self._views.values())
-
     def _update(self, url: str, **changes: Any) -> ReplicaView | None:
         view = self._views.get(url)
         if view is None:
