@@ -72,6 +72,12 @@ class RouterMetrics:
             ["policy", "reason"],
             registry=r,
         )
+        self.auth_rejections = Counter(
+            "kvrouter_auth_rejections_total",
+            "Client requests refused by the API-key check: 401 invalid_key, 429 key_concurrency.",
+            ["reason"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "kvrouter_client_disconnects_total",
             "Requests whose client went away before the response was complete.",

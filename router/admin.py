@@ -27,6 +27,7 @@ from aiohttp import web
 from .app import Router
 from .config import AdminConfig, ConfigError, RouterConfig, normalize_replica_url
 from .errors import error_response
+from .http_errors import JSONErrorAppRunner
 from .security import bearer_token
 
 log = logging.getLogger("kvrouter.admin")
@@ -154,7 +155,7 @@ class AdminAPI:
 async def start_admin_site(
     router: Router, token: str, host: str, port: int, reader: Reader | None = None
 ) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(AdminAPI(router, token, reader).build_app(), access_log=None)
+    runner = JSONErrorAppRunner(AdminAPI(router, token, reader).build_app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

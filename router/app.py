@@ -273,11 +273,13 @@ class Router:
         token = bearer_token(request.headers)
         key = constant_time_in(token, self.api_keys) if token is not None else None
         if key is None:
+            self.metrics.auth_rejections.labels("invalid_key").inc()
             return error_response(401, "invalid or missing API key", "invalid_request_error",
                                   {"WWW-Authenticate": "Bearer"})
         if request.path not in INFERENCE_ROUTES:
             return await handler(request)
         if not self.key_limiter.acquire(key):
+            self.metrics.auth_rejections.labels("key_concurrency").inc()
             retry = str(self.config.auth.retry_after_s)
             return error_response(
                 429, f"too many concurrent requests for this API key "
@@ -333,10 +335,14 @@ class Router:
             )
         target = None
         routing = self.config.routing
+        body_hint = None
+        if routing.target_hint_field in parsed:  # a router-only field: never forwarded, honoured or not
+            body_hint = parsed.pop(routing.target_hint_field)
+            body = orjson.dumps(parsed)
         if routing.allow_target_hint:
             hint = request.headers.get(routing.target_hint_header)
             if hint is None:
-                hint = parsed.get(routing.target_hint_field)
+                hint = body_hint
             if hint is not None:
                 target = self._known_replica(hint)
                 if target is None:  # never an outbound request to a URL a client made up

@@ -91,6 +91,8 @@ class Relay:
         self.config = config
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
+        self._streaming: set[asyncio.Task[object]] = set()  # handlers relaying a stream now
+        self._cut_reason: str | None = None
         self.timeout = aiohttp.ClientTimeout(
             total=config.total_timeout_s, sock_connect=config.connect_timeout_s
         )
@@ -105,6 +107,13 @@ class Relay:
             timeout=self.timeout,
             headers=self.inject_headers,  # also on polls and /v1/models
         )
+
+    def cut_streams(self, reason: str) -> int:
+        """End every stream being relayed now with an SSE error event (shutdown grace over)."""
+        self._cut_reason = reason
+        for task in self._streaming:
+            task.cancel()
+        return len(self._streaming)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -264,6 +273,19 @@ class Relay:
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
+    @staticmethod
+    async def _end_with_error(
+        request: web.Request, response: web.StreamResponse, sse: bool, message: str, code: int = 502
+    ) -> web.StreamResponse:
+        if sse:
+            await response.write(sse_error_event(message, code))
+            await response.write_eof()
+        elif request.transport is not None:
+            # A plain body cannot carry an error, and a clean end would pass a truncated
+            # body off as complete: abort the connection so the client sees the failure.
+            request.transport.abort()
+        return response
+
     async def _stream(
         self,
         request: web.Request,
@@ -278,6 +300,9 @@ class Relay:
         write = response.write
         content = upstream.content
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
+        task = asyncio.current_task()
+        assert task is not None
+        self._streaming.add(task)
         try:
             try:
                 chunk = await content.readany()
@@ -306,14 +331,13 @@ class Relay:
                     raise _broken(err) from err
         except UpstreamBroken as err:
             self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
-            if sse:
-                await response.write(sse_error_event(f"replica {url} failed mid-stream ({err.kind})"))
-                await response.write_eof()
-            elif request.transport is not None:
-                # A plain body cannot carry an error, and a clean end would pass a truncated
-                # body off as complete: abort the connection so the client sees the failure.
-                request.transport.abort()
-            return response
+            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream ({err.kind})")
+        except asyncio.CancelledError:
+            if self._cut_reason is None or task.uncancel() > 0:
+                raise  # the client went away, or something else cancels this handler
+            return await self._end_with_error(request, response, sse, self._cut_reason, 503)
+        finally:
+            self._streaming.discard(task)
         if tail:
             await response.write(bytes(tail))
         await response.write_eof()

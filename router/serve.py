@@ -15,6 +15,7 @@ from aiohttp import web
 
 from .app import Router
 from .config import ConfigError, RouterConfig
+from .http_errors import JSONErrorAppRunner
 from .security import install_log_redaction, quiet_client_protocol_errors
 
 log = logging.getLogger("kvrouter")
@@ -41,7 +42,7 @@ async def start_site(
     # keepalive_timeout: aiohttp closes a connection that has not delivered a whole request
     # (headers) within it, from the moment it opens: slowloris clients are bounded by it.
     server = router.config.server
-    runner = web.AppRunner(
+    runner = JSONErrorAppRunner(
         router.build_app(), handler_cancellation=True, access_log=None,
         shutdown_timeout=server.shutdown_grace_s, keepalive_timeout=server.client_header_timeout_s,
     )
@@ -80,8 +81,10 @@ async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
 
     async def at_deadline() -> None:  # what is still running when the grace period ends is cut
         nonlocal left
-        await asyncio.sleep(max(0.0, server.shutdown_grace_s - 0.01))
+        await asyncio.sleep(max(0.0, server.shutdown_grace_s - 0.05))
         left = sum(v.in_flight for v in router.registry.snapshot().replicas)
+        # Streams end with an SSE error event now, while their connections are still open.
+        router.relay.cut_streams("router shutting down: stream cut at the end of the grace period")
 
     watch = asyncio.create_task(at_deadline())
     await runner.cleanup()

@@ -64,6 +64,8 @@ async def test_api_keys_required_on_data_routes(start_app, start_router, monkeyp
         for path in ("/health", "/ready", "/metrics"):
             async with client.get(url + path) as r:
                 assert r.status == 200
+        async with client.get(url + "/metrics") as r:
+            assert 'kvrouter_auth_rejections_total{reason="invalid_key"} 20.0' in await r.text()
         for key in KEYS:
             async with client.post(url + "/v1/chat/completions", json=CHAT, headers=bearer(key)) as r:
                 assert r.status == 200
@@ -104,6 +106,8 @@ async def test_per_key_concurrency_limit_429(start_app, start_router, monkeypatc
         assert all(b.endswith(b"data: [DONE]\n\n") for b in results)
         async with client.post(url + "/v1/chat/completions", json=CHAT, headers=bearer(KEYS[0])) as r:
             assert r.status == 200  # slots given back when the streams ended
+        async with client.get(url + "/metrics") as r:
+            assert f'kvrouter_auth_rejections_total{{reason="key_concurrency"}} {float(limited)}' in await r.text()
     fault_record.count(sent=2 + 3 + 1 + 1, ok=4, clean_errors=limited)
 
 

@@ -48,7 +48,7 @@ async def _fleet(start_app, start_router, **routing):
 
 @pytest.mark.fault_matrix(
     fault="Routing hint naming an unknown upstream (SSRF attempt), hints disabled (default)",
-    clients_saw="hint ignored and stripped; request routed by policy (200); no connection to the named host",
+    clients_saw="hint ignored, header and body field stripped; request routed by policy (200); no connection to the named host",
 )
 async def test_hints_off_by_default_are_ignored_and_stripped(start_app, start_router, trap, fault_record):
     port, connections = trap
@@ -66,6 +66,8 @@ async def test_hints_off_by_default_are_ignored_and_stripped(start_app, start_ro
     seen = [req for u in ups for req in u.requests]
     assert len(seen) == sent
     assert all(HINT not in req["headers"] for req in seen)  # stripped before forwarding
+    assert all("target_worker" not in req["body"] for req in seen)  # the body field too
+    assert all(req["body"]["messages"] == CHAT["messages"] for req in seen)
     # policy (round robin), not the hint, chose: both replicas served
     assert all(u.requests for u in ups)
     fault_record.count(sent=sent, ok=sent, clean_errors=0)
@@ -110,6 +112,7 @@ async def test_enabled_hints_only_among_known_replicas(start_app, start_router, 
             honoured += 1
     assert connections[0] == 0
     assert all(HINT not in req["headers"] for u in ups for req in u.requests)
+    assert all("target_worker" not in req["body"] for u in ups for req in u.requests)
     fault_record.count(sent=rejected + honoured, ok=honoured, clean_errors=rejected)
 
 
