@@ -28,7 +28,7 @@ import random
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Decision, ReplicaView, RequestSummary, SessionView, Snapshot
-from .cost import CostParams, expected_cost, prefill_s
+from .cost import CostParams, expected_cost, expected_costs, prefill_s
 
 
 class CodingAgentParams(BaseModel):
@@ -158,9 +158,9 @@ class CodingAgent:
         usable = [r for r in pool if not self.overloaded(r)]
         if not usable:
             usable, reason = pool, "fallback"
-        costs = [(expected_cost(p.cost, r, request, placement=placement), r) for r in usable]
-        best = min(c for c, _ in costs)
-        ties = [r for c, r in costs if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
+        costs = expected_costs(p.cost, usable, request, placement=placement)
+        best = min(costs)
+        ties = [r for c, r in zip(costs, usable) if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
         if len(ties) == 1:
             return ties[0], reason
         a, b = rng.sample(ties, 2)  # power of two choices among near-equal costs

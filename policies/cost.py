@@ -11,6 +11,8 @@ FLOPs per token pair over 4 GPUs at ~1 PFLOP/s effective each; host KV reloads a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import ReplicaView, RequestSummary
@@ -48,30 +50,57 @@ def expected_cost(
     homed there) the cost also counts the KV demand and sessions already homed there and the
     capacity penalty; without it (one overflow request, the home unchanged) only the wait and
     the prefill count."""
+    return expected_costs(p, (replica,), request, home=replica.id if is_home else None,
+                          placement=placement)[0]
+
+
+def expected_costs(
+    p: CostParams,
+    replicas: Iterable[ReplicaView],
+    request: RequestSummary,
+    *,
+    home: str | None = None,
+    placement: bool = True,
+) -> list[float]:
+    """`expected_cost` of one request on each replica (`home`: the one it is homed on), in one
+    loop: what a decision over many candidates needs, without a call per candidate."""
     prompt = request.prompt_tokens
-    cached = min(request.cached_tokens.get(replica.id, 0), prompt)
-    on_host = min(request.host_cached_tokens.get(replica.id, 0), prompt - cached)
-    uncached = prompt - cached - on_host
-    cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
+    cached_on, host_on = request.cached_tokens, request.host_cached_tokens
+    cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
+    queue_s, decode_s, max_running = p.queue_s_per_waiting, p.decode_s_per_running, p.max_running
+    target = p.capacity_target
+    out = []
+    for replica in replicas:
+        rid = replica.id
+        cached = cached_on.get(rid, 0) if cached_on else 0
+        on_host = host_on.get(rid, 0) if host_on else 0
+        if cached or on_host:
+            cached = min(cached, prompt)
+            on_host = min(on_host, prompt - cached)
+            uncached = prompt - cached - on_host
+            cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
+        else:
+            cost = cold_prefill
 
-    load = replica.load
-    waiting = max(replica.num_queue_reqs or 0, load - p.max_running)
-    cost += waiting * p.queue_s_per_waiting + min(load, p.max_running) * p.decode_s_per_running
+        load = replica.load
+        queued = replica.num_queue_reqs or 0
+        waiting = load - max_running if load - max_running > queued else queued
+        cost += waiting * queue_s + (load if load < max_running else max_running) * decode_s
 
-    # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
-    usage = replica.token_usage or 0.0
-    if usage > p.capacity_target:
-        cost += p.queue_s_per_waiting * (usage - p.capacity_target) / (1.0 - p.capacity_target + 1e-9)
+        # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
+        usage = replica.token_usage or 0.0
+        if usage > target:
+            cost += queue_s * (usage - target) / (1.0 - target + 1e-9)
 
-    if not placement:
-        return cost
-
-    # KV the replica's homed sessions already need; a new session adds its whole context.
-    capacity = replica.max_total_num_tokens or p.default_capacity_tokens
-    demand = replica.homed_tokens + (0 if is_home else prompt)
-    cost += p.kv_demand_s * demand / capacity
-    cost += p.session_s * (replica.homed_sessions + (0 if is_home else 1))
-    overflow = int(demand - p.capacity_target * capacity)
-    if overflow > 0:  # that much cached context gets evicted and recomputed later
-        cost += p.capacity_weight * prefill_s(p, overflow, 0)
-    return cost
+        if placement:
+            # KV the replica's homed sessions already need; a new session adds its whole context.
+            capacity = replica.max_total_num_tokens or p.default_capacity_tokens
+            new = rid != home
+            demand = replica.homed_tokens + (prompt if new else 0)
+            cost += p.kv_demand_s * demand / capacity
+            cost += p.session_s * (replica.homed_sessions + new)
+            overflow = int(demand - target * capacity)
+            if overflow > 0:  # that much cached context gets evicted and recomputed later
+                cost += p.capacity_weight * prefill_s(p, overflow, 0)
+        out.append(cost)
+    return out

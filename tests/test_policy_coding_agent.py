@@ -168,3 +168,27 @@ def test_an_overloaded_fresh_replica_takes_no_new_sessions():
             ReplicaView("f", fresh=True, token_usage=0.97)]
     d = decide(reps, req(), SessionView("s1"))
     assert d.replica in {"a", "b"} and d.reason == "new_session"
+
+
+def test_batched_costs_equal_one_by_one():
+    """_cheapest costs its candidates in one loop (policies/cost.py: expected_costs); each value
+    must be exactly the single-replica cost, with the home's own context not counted twice."""
+    from kvrouter.policies.cost import CostParams, expected_cost, expected_costs
+
+    rng = random.Random(7)
+    p = CostParams()
+    for _ in range(300):
+        replicas = [ReplicaView(id=f"r{i}", in_flight=rng.randrange(60),
+                                num_running_reqs=rng.choice([None, rng.randrange(60)]),
+                                num_queue_reqs=rng.choice([None, rng.randrange(5)]),
+                                token_usage=rng.choice([None, rng.random()]),
+                                max_total_num_tokens=rng.choice([None, 200_000]),
+                                homed_sessions=rng.randrange(6), homed_tokens=rng.randrange(600_000))
+                    for i in range(6)]
+        request = RequestSummary("/v1/chat/completions", prompt_tokens=rng.randrange(1, 200_000),
+                                 cached_tokens={f"r{i}": rng.randrange(250_000) for i in range(0, 6, 2)},
+                                 host_cached_tokens={"r1": rng.randrange(250_000)})
+        for placement in (True, False):
+            batch = expected_costs(p, replicas, request, home="r2", placement=placement)
+            singles = [expected_cost(p, r, request, is_home=r.id == "r2", placement=placement) for r in replicas]
+            assert batch == singles
