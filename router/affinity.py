@@ -6,6 +6,10 @@ and in-flight counts between router instances. In-flight counts are kept per rou
 `routers` sorted set is younger than `lease_s`: a router that dies cannot leak counts. Every
 update is one Lua script (atomic). If Redis fails, requests keep flowing on the local table,
 `degraded` is set, and Redis is retried after `retry_after_s`.
+
+A request makes one round trip before its routing decision (`acquire`: read the session and
+count the request), one more only when it gives the session its first home or a new one
+(`begin`), and releases its count after the response, off the request's path (`end`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .sessions import SessionTable
 
 log = logging.getLogger("kvrouter.affinity")
 
+# ARGV: lease (ms), ttl, and for `acquire` this router's id
 _GET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -41,17 +46,21 @@ for i = 1, #h, 2 do
     end
   end
 end
-if home then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+if ARGV[3] then  -- acquire: count this request too (after reading the others)
+  redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[3], 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+elseif home then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
 return {home, total}
 """
 
-# ARGV: router id, ttl, home ('' = keep), force (1 = overwrite an existing home)
-_BEGIN = """
-if ARGV[3] ~= '' and (ARGV[4] == '1' or redis.call('HEXISTS', KEYS[1], 'home') == 0) then
-  redis.call('HSET', KEYS[1], 'home', ARGV[3])
+# ARGV: ttl, home, force (1 = overwrite an existing home). Returns the home now stored.
+_CLAIM = """
+if ARGV[3] == '1' or redis.call('HEXISTS', KEYS[1], 'home') == 0 then
+  redis.call('HSET', KEYS[1], 'home', ARGV[2])
 end
-redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[1], 1)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
 return redis.call('HGET', KEYS[1], 'home')
 """
 
@@ -74,7 +83,10 @@ class AffinityStore(Protocol):
     table: SessionTable
     degraded: bool
 
-    async def get(self, key: str) -> SessionView: ...
+    async def get(self, key: str) -> SessionView: ...  # read only
+    # One request of a session: acquire (read + count it), begin (its replica is chosen; may set
+    # the home; returns the session's home), end (done; always paired with acquire).
+    async def acquire(self, key: str) -> SessionView: ...
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None: ...
     async def end(self, key: str) -> None: ...
     async def move(self, key: str, home: str) -> None: ...
@@ -94,8 +106,13 @@ class MemoryAffinityStore:
     async def get(self, key: str) -> SessionView:
         return self.table.view(key)
 
+    async def acquire(self, key: str) -> SessionView:
+        view = self.table.view(key)
+        self.table.acquire(key, self.clock())
+        return view
+
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
-        return self.table.begin(key, home, force=force, tokens=tokens, now=self.clock())
+        return self.table.assign(key, home, force=force, tokens=tokens, now=self.clock())
 
     async def end(self, key: str) -> None:
         self.table.release(key, self.clock())
@@ -142,13 +159,15 @@ class RedisAffinityStore:
         self._down_until = 0.0
         self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
         self._unreleased: dict[str, int] = {}  # decrements that failed, retried on heartbeat
+        self._homeless: set[str] = set()  # sessions Redis had no home for at their last acquire
+        self._releases: set[asyncio.Task[None]] = set()  # decrements on their way to Redis
         self.redis = aioredis.Redis.from_url(
             url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
             retry_on_timeout=False, health_check_interval=0,
             **({"password": password} if password else {}),
         )
         self._get = self.redis.register_script(_GET)
-        self._begin = self.redis.register_script(_BEGIN)
+        self._claim = self.redis.register_script(_CLAIM)
         self._end = self.redis.register_script(_END)
         self._beat = self.redis.register_script(_HEARTBEAT)
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -175,46 +194,72 @@ class RedisAffinityStore:
             log.info("redis is back; affinity shared again")
         self.degraded = False
 
+    async def _read(self, key: str, op: str, count: bool) -> SessionView | None:
+        """The session from Redis (None if Redis failed); `count`: also count this request."""
+        if not self._usable():
+            return None
+        try:
+            args: list[object] = [self.lease_ms, self.ttl_s] + ([self.router_id] if count else [])
+            home, total = await self._get(keys=[self._key(key), self._routers_key], args=args)
+            self._ok()
+        except Exception as err:  # any Redis failure degrades, never fails a request
+            self._failed(op, err)
+            return None
+        home = home.decode() if isinstance(home, bytes) else None
+        if home is not None:
+            self.table.touch(key, self.clock(), home=home)
+        return SessionView(key, home, int(total))
+
     async def get(self, key: str) -> SessionView:
-        if self._usable():
-            try:
-                home, total = await self._get(keys=[self._key(key), self._routers_key],
-                                              args=[self.lease_ms, self.ttl_s])
-                self._ok()
-                home = home.decode() if isinstance(home, bytes) else None
-                if home is not None:
-                    self.table.touch(key, self.clock(), home=home)
-                return SessionView(key, home, int(total))
-            except Exception as err:  # any Redis failure degrades, never fails a request
-                self._failed("get", err)
-        return await self.local.get(key)
+        view = await self._read(key, "get", count=False)
+        return view if view is not None else await self.local.get(key)
+
+    async def acquire(self, key: str) -> SessionView:
+        local = await self.local.acquire(key)
+        view = await self._read(key, "acquire", count=True)
+        if view is None:
+            return local
+        self._acquired[key] = self._acquired.get(key, 0) + 1
+        if view.home is None:
+            self._homeless.add(key)
+        else:
+            self._homeless.discard(key)
+        return view
 
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
         local_home = await self.local.begin(key, home, force=force, tokens=tokens)
-        if not self._usable():
+        # Redis already has this session's home unless it had none at acquire: nothing to send.
+        if home is None or not (force or key in self._homeless) or not self._usable():
             return local_home
         try:
-            shared = await self._begin(keys=[self._key(key)],
-                                       args=[self.router_id, self.ttl_s, home or "", int(force)])
+            shared = await self._claim(keys=[self._key(key)], args=[self.ttl_s, home, int(force)])
             self._ok()
-            self._acquired[key] = self._acquired.get(key, 0) + 1
-            shared_home = shared.decode() if isinstance(shared, bytes) else None
-            if shared_home is not None and shared_home != local_home:
-                self.table.touch(key, self.clock(), home=shared_home)  # another router won
-            return shared_home or local_home
         except Exception as err:
             self._failed("begin", err)
             return local_home
+        self._homeless.discard(key)
+        shared_home = shared.decode() if isinstance(shared, bytes) else None
+        if shared_home is not None and shared_home != local_home:
+            self.table.touch(key, self.clock(), home=shared_home)  # another router won
+        return shared_home or local_home
 
     async def end(self, key: str) -> None:
+        """Local count at once; the shared one in the background (the response is not held
+        for a Redis round trip). `settle()` waits for those."""
         await self.local.end(key)
         held = self._acquired.get(key, 0)
         if held <= 0:
             return  # acquired while Redis was down: nothing to give back there
         if held == 1:
             del self._acquired[key]
+            self._homeless.discard(key)
         else:
             self._acquired[key] = held - 1
+        task = asyncio.create_task(self._release(key))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, key: str) -> None:
         try:
             await self._end(keys=[self._key(key)], args=[self.router_id])
             self._ok()
@@ -223,6 +268,11 @@ class RedisAffinityStore:
             # Redis still counts it: give it back once Redis answers again (heartbeat), or the
             # session would look busier than it is for as long as this router lives.
             self._unreleased[key] = self._unreleased.get(key, 0) + 1
+
+    async def settle(self) -> None:
+        """Wait until every release sent so far has reached Redis (or failed)."""
+        while self._releases:
+            await asyncio.gather(*self._releases)
 
     async def _release_pending(self) -> None:
         for key in list(self._unreleased):
@@ -241,20 +291,25 @@ class RedisAffinityStore:
         except Exception as err:
             self._failed("move", err)
 
+    async def _heartbeat(self) -> None:
+        try:
+            await self._beat(keys=[self._routers_key], args=[self.router_id, self.lease_ms])
+            self._ok()
+            await self._release_pending()
+        except Exception as err:
+            self._failed("heartbeat", err)
+
     async def _heartbeat_loop(self) -> None:
         while True:
-            try:
-                await self._beat(keys=[self._routers_key], args=[self.router_id, self.lease_ms])
-                self._ok()
-                await self._release_pending()
-            except Exception as err:
-                self._failed("heartbeat", err)
             await asyncio.sleep(self.lease_ms / 3000)
+            await self._heartbeat()
 
     async def start(self) -> None:
+        await self._heartbeat()  # this router's counts only count once it has a heartbeat
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="redis-heartbeat")
 
     async def close(self) -> None:
+        await self.settle()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             try:

@@ -130,13 +130,13 @@ class Relay:
         """Route and relay one client request; the session's in-flight count spans all attempts.
         `target` (a validated, known replica from a routing hint) bypasses the policy."""
         key = summary.session_key
-        session = await self.affinity.get(key) if key is not None else None
-        began = [False]
+        if key is None:
+            return await self._attempts(request, body, summary, request_id, None, target)
+        session = await self.affinity.acquire(key)  # counted from here, whatever happens next
         try:
-            return await self._attempts(request, body, summary, request_id, session, began, target)
+            return await self._attempts(request, body, summary, request_id, session, target)
         finally:
-            if key is not None and began[0]:
-                await self.affinity.end(key)
+            await self.affinity.end(key)
 
     async def _attempts(
         self,
@@ -145,7 +145,6 @@ class Relay:
         summary: RequestSummary,
         request_id: str,
         session: SessionView | None,
-        began: list[bool],
         target: str | None = None,
     ) -> web.StreamResponse:
         assert self.session is not None, "Relay.start() not called"
@@ -160,6 +159,7 @@ class Relay:
         m = self.metrics
         path_qs = request.rel_url.path_qs
         recorded_home: list[str | None] = [None]
+        began = False  # the session's begin() is called once, on the first attempt
         for attempt in range(self.config.max_attempts):
             if tried:
                 summary = dataclasses.replace(summary, exclude=frozenset(tried))
@@ -173,8 +173,8 @@ class Relay:
                 break
             url = decision.replica
             key = summary.session_key
-            if key is not None and not began[0]:
-                began[0] = True
+            if key is not None and not began:
+                began = True
                 # A session without a home gets the replica of its first request (policies that
                 # do not assign homes too, so sessions per replica can be counted for every policy).
                 # A decision that names a new home replaces an old one (rehome, or a fallback away

@@ -62,13 +62,21 @@ class SessionTable:
         return e
 
     def begin(self, key: str, home: str | None, *, force: bool, tokens: int, now: float) -> str | None:
-        """A request of `key` is dispatched: set its home unless it already has one (or `force`,
-        a rehome), note its context size, count it in flight. Returns the session's home."""
+        """A request of `key` is dispatched: `assign`, and count it in flight."""
+        assigned = self.assign(key, home, force=force, tokens=tokens, now=now)
+        self._entries[key].in_flight += 1
+        return assigned
+
+    def acquire(self, key: str, now: float) -> None:
+        """Count a request of `key` in flight before its replica is chosen (see `assign`)."""
+        self.touch(key, now).in_flight += 1
+
+    def assign(self, key: str, home: str | None, *, force: bool, tokens: int, now: float) -> str | None:
+        """A request of `key` goes to a replica: set the session's home unless it already has one
+        (or `force`, a rehome) and note its context size. Returns the session's home."""
         entry = self._entries.get(key)
         keep = entry is not None and entry.home is not None and not force
-        entry = self.touch(key, now, home=None if keep else home, tokens=tokens)
-        entry.in_flight += 1
-        return entry.home
+        return self.touch(key, now, home=None if keep else home, tokens=tokens).home
 
     def set_home(self, key: str, home: str, now: float) -> None:
         self.touch(key, now, home=home)

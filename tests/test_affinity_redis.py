@@ -15,25 +15,32 @@ def store(url: str, **kw) -> RedisAffinityStore:
     return RedisAffinityStore(SessionTable(), url, key_prefix="t:", **kw)
 
 
+async def request(s: RedisAffinityStore, key: str, home: str, *, force: bool = False, tokens: int = 10) -> str | None:
+    """What the relay does for one request up to dispatch: acquire, then begin."""
+    await s.acquire(key)
+    return await s.begin(key, home, force=force, tokens=tokens)
+
+
 async def test_two_routers_agree_on_a_session_home(redis_server):
     a, b = store(redis_server.url), store(redis_server.url)
     await a.start(), await b.start()
     try:
         # Both decide concurrently for a new session; the first writer wins, the other follows.
-        homes = await asyncio.gather(
-            a.begin("sess", "http://r1", force=False, tokens=1000),
-            b.begin("sess", "http://r2", force=False, tokens=1000),
-        )
+        homes = await asyncio.gather(request(a, "sess", "http://r1"), request(b, "sess", "http://r2"))
         assert homes[0] == homes[1]
         assert (await a.get("sess")).home == (await b.get("sess")).home == homes[0]
         # In-flight counts add up across routers.
         assert (await a.get("sess")).in_flight == 2
         await a.end("sess")
+        await a.settle()  # the shared count is released in the background
         assert (await b.get("sess")).in_flight == 1
         # A rehome overwrites.
         await b.end("sess")
-        await a.begin("sess", "http://r3", force=True, tokens=1000)
+        await request(a, "sess", "http://r3", force=True)
         assert (await b.get("sess")).home == "http://r3"
+        # A known home costs no second round trip: another request keeps it.
+        assert await request(b, "sess", "http://r9") == "http://r3"
+        assert (await a.get("sess")).in_flight == 2
     finally:
         await a.close(), await b.close()
 
@@ -42,8 +49,8 @@ async def test_a_dead_routers_in_flight_counts_expire(redis_server):
     a, b = store(redis_server.url, lease_s=0.3), store(redis_server.url, lease_s=0.3)
     await a.start(), await b.start()
     try:
-        await a.begin("s", "http://r1", force=False, tokens=10)
-        await a.begin("s", "http://r1", force=False, tokens=10)
+        await request(a, "s", "http://r1")
+        await request(a, "s", "http://r1")
         assert (await b.get("s")).in_flight == 2
         await a.close()  # router a dies: its heartbeat stops, counts never released
         for _ in range(100):
@@ -60,13 +67,14 @@ async def test_redis_down_degrades_then_recovers(redis_server):
     s = store(redis_server.url, op_timeout_s=0.2)
     await s.start()
     try:
-        await s.begin("s", "http://r1", force=False, tokens=10)
+        await request(s, "s", "http://r1")
         await s.end("s")
+        await s.settle()
         redis_server.kill()
         # Requests keep flowing on local state.
         view = await s.get("s")
         assert s.degraded and view.home == "http://r1"
-        assert await s.begin("s2", "http://r2", force=False, tokens=5) == "http://r2"
+        assert await request(s, "s2", "http://r2") == "http://r2"
         await s.end("s2")
         redis_server.start()
         for _ in range(100):
@@ -74,7 +82,7 @@ async def test_redis_down_degrades_then_recovers(redis_server):
             if (await s.get("s")) and not s.degraded:
                 break
         assert not s.degraded
-        await s.begin("s3", "http://r3", force=False, tokens=5)
+        await request(s, "s3", "http://r3")
         assert (await s.get("s3")).home == "http://r3"
     finally:
         await s.close()
@@ -88,7 +96,7 @@ async def test_slow_redis_is_bounded_by_timeouts(redis_server):
     s = store(redis_server.url, op_timeout_s=0.1, retry_after_s=5)
     await s.start()
     try:
-        await s.begin("s", "http://r1", force=False, tokens=10)
+        await request(s, "s", "http://r1")
         redis_server.pause()
         await s.get("s")  # times out once (the test's own timeout would catch a hang)...
         view = await s.get("s")  # ...then routes on local state while Redis is marked down
@@ -103,9 +111,10 @@ async def test_a_failed_release_is_given_back_when_redis_returns(redis_server):
     other = store(redis_server.url)
     await s.start(), await other.start()
     try:
-        await s.begin("s", "http://r1", force=False, tokens=10)
+        await request(s, "s", "http://r1")
         redis_server.pause()  # the release below fails: Redis would keep counting the request
         await s.end("s")
+        await s.settle()  # ...after op_timeout_s
         redis_server.resume()
         for _ in range(100):  # the next heartbeat gives it back
             if (await other.get("s")).in_flight == 0:
@@ -114,3 +123,38 @@ async def test_a_failed_release_is_given_back_when_redis_returns(redis_server):
         assert (await other.get("s")).in_flight == 0
     finally:
         await s.close(), await other.close()
+
+
+async def test_redis_round_trips_per_request(start_app, start_router, redis_server):
+    """Through a live router: a session's first request makes 3 Redis calls (acquire, claim
+    the home, release), every later one 2 (acquire, release), the release after the response."""
+    import aiohttp
+    import redis.asyncio as aioredis
+
+    from .fakes import FakeUpstream
+
+    replica = await start_app(FakeUpstream().app())
+    router, url = await start_router([replica], signals={"source": "health", "interval_s": 60},
+                                     affinity={"store": "redis", "redis_url": redis_server.url, "lease_s": 600})
+    counter = aioredis.Redis.from_url(redis_server.url)
+
+    async def calls() -> int:
+        stats = await counter.info("commandstats")
+        return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as client:
+            async def one(session: str) -> int:
+                before = await calls()
+                async with client.post(url + "/v1/chat/completions", json=chat,
+                                       headers={"x-session-id": session}) as r:
+                    assert r.status == 200
+                await router.affinity.settle()
+                return await calls() - before
+
+            await one("warm-up")  # the first call loads each script (EVAL), and the heartbeat runs
+            assert await one("first") == 3
+            assert [await one("first") for _ in range(3)] == [2, 2, 2]
+    finally:
+        await counter.aclose()
