@@ -71,6 +71,17 @@ def redis_server(tmp_path):
     server.kill()
 
 
+@pytest.fixture
+def redis_auth(tmp_path):
+    """A Redis that requires AUTH with `redis_server.TEST_PASSWORD`."""
+    from .redis_server import TEST_PASSWORD, RedisProcess
+
+    server = RedisProcess(tmp_path, password=TEST_PASSWORD)
+    server.start()
+    yield server
+    server.kill()
+
+
 # -- fault matrix: tests marked `fault_matrix` record counted outcomes; docs/reliability.md is
 # rendered from them (KVROUTER_FAULT_MATRIX=out.json pytest ...; python benchmarks/fault_matrix.py).
 _FAULT_ROWS: list[dict[str, Any]] = []

@@ -24,6 +24,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+TEST_PASSWORD = "redis-pw-7c1d9e"  # the `redis_auth` fixture's AUTH password
+
+
 class RedisProcess:
     def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port()

@@ -9,18 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from .fakes import FakeUpstream
-from .redis_server import RedisProcess
+from .redis_server import TEST_PASSWORD as PASSWORD
 
-PASSWORD = "redis-pw-7c1d9e"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def redis_auth(tmp_path):
-    server = RedisProcess(tmp_path, password=PASSWORD)
-    server.start()
-    yield server
-    server.kill()
 
 
 async def _requests(url: str, sessions: list[str]) -> list[int]:

@@ -11,20 +11,12 @@ import redis.asyncio as aioredis
 import trustme
 
 from .fakes import FakeUpstream
+from .redis_server import TEST_PASSWORD as PASSWORD
 from .redis_server import RedisProcess
 from .tls_terminator import TLSTerminator
 
-PASSWORD = "tls-redis-pw-41b2"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 QUIET = {"source": "health", "interval_s": 60}
-
-
-@pytest.fixture
-def redis_auth(tmp_path):
-    server = RedisProcess(tmp_path, password=PASSWORD)
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvrouter.loadtest.sim_server import SIM_KEY, build_app
+from kvrouter.loadtest.sim_server import build_app
 
 FAST = 100.0  # simulated-model seconds per wall second
 
