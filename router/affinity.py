@@ -161,6 +161,7 @@ class RedisAffinityStore:
         self._unreleased: dict[str, int] = {}  # decrements that failed, retried on heartbeat
         self._homeless: set[str] = set()  # sessions Redis had no home for at their last acquire
         self._releases: set[asyncio.Task[None]] = set()  # decrements on their way to Redis
+        self._closed = False
         self.redis = aioredis.Redis.from_url(
             url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
             retry_on_timeout=False, health_check_interval=0,
@@ -216,8 +217,15 @@ class RedisAffinityStore:
 
     async def acquire(self, key: str) -> SessionView:
         local = await self.local.acquire(key)
-        view = await self._read(key, "acquire", count=True)
+        read = asyncio.ensure_future(self._read(key, "acquire", count=True))
+        try:
+            view = await asyncio.shield(read)  # a cancelled request must not leave a count behind
+        except asyncio.CancelledError:
+            self.table.release(key, self.clock())
+            read.add_done_callback(lambda done: self._give_back_abandoned(key, done))
+            raise
         if view is None:
+            self._homeless.add(key)  # unknown: claim the home at begin if Redis is back by then
             return local
         self._acquired[key] = self._acquired.get(key, 0) + 1
         if view.home is None:
@@ -248,13 +256,22 @@ class RedisAffinityStore:
         for a Redis round trip). `settle()` waits for those."""
         await self.local.end(key)
         held = self._acquired.get(key, 0)
-        if held <= 0:
-            return  # acquired while Redis was down: nothing to give back there
-        if held == 1:
-            del self._acquired[key]
+        if held <= 1:
+            self._acquired.pop(key, None)
             self._homeless.discard(key)
         else:
             self._acquired[key] = held - 1
+        if held > 0:  # else acquired while Redis was down: nothing to give back there
+            self._spawn_release(key)
+
+    def _give_back_abandoned(self, key: str, read: asyncio.Future[SessionView | None]) -> None:
+        """The request whose acquire was cancelled: if Redis counted it after all, uncount it."""
+        if not read.cancelled() and read.exception() is None and read.result() is not None:
+            self._spawn_release(key)
+
+    def _spawn_release(self, key: str) -> None:
+        if self._closed:
+            return  # no heartbeat any more: this router's counts expire with its lease
         task = asyncio.create_task(self._release(key))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -310,6 +327,7 @@ class RedisAffinityStore:
 
     async def close(self) -> None:
         await self.settle()
+        self._closed = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             try:

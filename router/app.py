@@ -338,7 +338,11 @@ class Router:
         body_hint = None
         if routing.target_hint_field in parsed:  # a router-only field: never forwarded, honoured or not
             body_hint = parsed.pop(routing.target_hint_field)
-            body = orjson.dumps(parsed)
+            try:
+                body = orjson.dumps(parsed)
+            except orjson.JSONEncodeError:  # orjson writes at most 254 levels of nesting
+                return error_response(400, "request body nested too deeply", "invalid_request_error",
+                                      rid_header)
         if routing.allow_target_hint:
             hint = request.headers.get(routing.target_hint_header)
             if hint is None:

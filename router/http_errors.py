@@ -16,7 +16,9 @@ class _JSONErrorRequestHandler(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises if a response already started
-        if status >= 500:
+        if status == 504:
+            text = "request timed out"
+        elif status >= 500:
             text = "internal router error"  # aiohttp's text may carry a traceback: never sent
         else:
             text = f"malformed HTTP request: {(message or 'bad request').strip()[:300]}"

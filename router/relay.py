@@ -91,8 +91,9 @@ class Relay:
         self.config = config
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
-        self._streaming: set[asyncio.Task[object]] = set()  # handlers relaying a stream now
-        self._cut_reason: str | None = None
+        self._active: set[asyncio.Task[object]] = set()  # handlers forwarding a request now
+        self._cut: set[asyncio.Task[object]] = set()  # of those, the ones cut_requests cancelled
+        self._cut_reason = ""
         self.timeout = aiohttp.ClientTimeout(
             total=config.total_timeout_s, sock_connect=config.connect_timeout_s
         )
@@ -108,12 +109,18 @@ class Relay:
             headers=self.inject_headers,  # also on polls and /v1/models
         )
 
-    def cut_streams(self, reason: str) -> int:
-        """End every stream being relayed now with an SSE error event (shutdown grace over)."""
+    def cut_requests(self, reason: str) -> int:
+        """End every request being forwarded now (the shutdown grace is over): a stream already
+        started gets an SSE error event, anything else a 503; the replicas' requests are aborted."""
         self._cut_reason = reason
-        for task in self._streaming:
+        for task in self._active - self._cut:
+            self._cut.add(task)
             task.cancel()
-        return len(self._streaming)
+        return len(self._cut)
+
+    def _was_cut(self, task: asyncio.Task[object]) -> bool:
+        """True if `task`'s cancellation is only cut_requests' (then it is withdrawn)."""
+        return task in self._cut and task.uncancel() == 0
 
     async def close(self) -> None:
         if self.session is not None:
@@ -130,13 +137,26 @@ class Relay:
         """Route and relay one client request; the session's in-flight count spans all attempts.
         `target` (a validated, known replica from a routing hint) bypasses the policy."""
         key = summary.session_key
-        if key is None:
-            return await self._attempts(request, body, summary, request_id, None, target)
-        session = await self.affinity.acquire(key)  # counted from here, whatever happens next
+        task = asyncio.current_task()
+        assert task is not None
+        self._active.add(task)
         try:
-            return await self._attempts(request, body, summary, request_id, session, target)
+            if key is None:
+                return await self._attempts(request, body, summary, request_id, None, target)
+            # acquire() either counts the request (then end() follows) or, cancelled, counts nothing.
+            session = await self.affinity.acquire(key)
+            try:
+                return await self._attempts(request, body, summary, request_id, session, target)
+            finally:
+                await self.affinity.end(key)
+        except asyncio.CancelledError:
+            if not self._was_cut(task):
+                raise  # the client went away, or something else cancels this handler
+            return error_response(503, self._cut_reason, "service_unavailable",
+                                  {REQUEST_ID: request_id, "Connection": "close"})
         finally:
-            await self.affinity.end(key)
+            self._active.discard(task)
+            self._cut.discard(task)
 
     async def _attempts(
         self,
@@ -300,9 +320,6 @@ class Relay:
         write = response.write
         content = upstream.content
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
-        task = asyncio.current_task()
-        assert task is not None
-        self._streaming.add(task)
         try:
             try:
                 chunk = await content.readany()
@@ -333,11 +350,10 @@ class Relay:
             self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
             return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream ({err.kind})")
         except asyncio.CancelledError:
-            if self._cut_reason is None or task.uncancel() > 0:
+            task = asyncio.current_task()
+            if task is None or not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
-        finally:
-            self._streaming.discard(task)
         if tail:
             await response.write(bytes(tail))
         await response.write_eof()

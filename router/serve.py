@@ -83,8 +83,9 @@ async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
         nonlocal left
         await asyncio.sleep(max(0.0, server.shutdown_grace_s - 0.05))
         left = sum(v.in_flight for v in router.registry.snapshot().replicas)
-        # Streams end with an SSE error event now, while their connections are still open.
-        router.relay.cut_streams("router shutting down: stream cut at the end of the grace period")
+        # Cut now, while the connections are still open: streams get an SSE error event, the
+        # rest a 503 (aiohttp alone would close them, and only after a second timeout).
+        router.relay.cut_requests("router shutting down: request cut at the end of the grace period")
 
     watch = asyncio.create_task(at_deadline())
     await runner.cleanup()

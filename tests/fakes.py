@@ -51,6 +51,7 @@ class FakeUpstream:
     chunk_delay_s: float = 0.0
     status: int = 200  # e.g. 503 to force a retry
     hold_after_first: asyncio.Event | None = None  # stream waits here after chunk 0
+    hold_before_headers: asyncio.Event | None = None  # every answer waits here (a long prefill)
     die_after_chunks: int | None = None  # abort the TCP connection after N chunks
     requests: list[dict[str, Any]] = field(default_factory=list)
     sent: list[bytes] = field(default_factory=list)
@@ -78,6 +79,12 @@ class FakeUpstream:
         body = orjson.loads(raw)
         self.requests.append({"headers": {k.lower(): v for k, v in request.headers.items()}, "body": body, "raw": raw,
                               "path": request.path, "at": time.monotonic()})
+        if self.hold_before_headers is not None:
+            try:
+                await self.hold_before_headers.wait()
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
         if self.status != 200:
             return web.json_response({"error": {"message": "busy", "code": self.status}},
                                      status=self.status)

@@ -158,3 +158,28 @@ async def test_redis_round_trips_per_request(start_app, start_router, redis_serv
             assert [await one("first") for _ in range(3)] == [2, 2, 2]
     finally:
         await counter.aclose()
+
+
+async def test_a_cancelled_acquire_leaves_no_count(redis_server):
+    """A client that goes away while acquire waits on Redis: nothing stays counted, locally or
+    in Redis, whether or not Redis ran the script (here it does, once it is resumed)."""
+    s, other = store(redis_server.url, op_timeout_s=2), store(redis_server.url)
+    await s.start(), await other.start()
+    try:
+        redis_server.pause()
+        pending = asyncio.create_task(s.acquire("c"))
+        await asyncio.sleep(0.1)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        assert s.table.view("c").in_flight == 0
+        redis_server.resume()  # the script runs now and counts the request...
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            await s.settle()  # ...and the give-back follows it
+            if (await other.get("c")).in_flight == 0 and not s._releases:
+                break
+        assert (await other.get("c")).in_flight == 0
+    finally:
+        redis_server.resume()
+        await s.close(), await other.close()

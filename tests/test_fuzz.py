@@ -168,6 +168,8 @@ def test_fuzz_json_bodies_wrong_types(live, fault_record, route, body):
     st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.integers(1, 200_000).map(lambda n: b"[" * n + b"]" * n),  # deeply nested
     st.integers(1, 5_000).map(lambda n: b'{"messages": ' + b"[" * n + b"]" * n + b"}"),
+    # the hint field makes the router re-serialise the body (orjson writes at most 254 levels)
+    st.integers(1, 1_100).map(lambda n: b'{"target_worker": null, "a": ' + b"[" * n + b"]" * n + b"}"),
     st.integers(1, 100_000).map(lambda n: b'{"a":' * n),  # truncated and nested
     st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"NaN", b"{", b'{"stream": true', b"\xef\xbb\xbf{}"]),
 ))
@@ -257,6 +259,16 @@ def test_parser_level_rejections_are_json(live, raw):
     err = orjson.loads(body)["error"]
     assert err["code"] == status and err["message"].startswith("malformed HTTP request")
     assert live.healthy()
+
+
+def test_hint_field_with_deep_nesting_is_a_400(live):
+    """Found in review: removing the hint field re-serialises the body, which orjson refuses
+    beyond 254 levels of nesting; that was a 500."""
+    for depth in (10, 300, 1000, 1100):
+        raw = b'{"target_worker": null, "messages": [], "a": ' + b"[" * depth + b"]" * depth + b"}"
+        status, headers, body = live.request(b"POST", b"/v1/chat/completions", [], raw)
+        assert status == (200 if depth == 10 else 400), (depth, body[:200])
+        check(live, status, headers, body)
 
 
 def test_expect_header_regression(live):

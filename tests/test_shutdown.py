@@ -117,6 +117,38 @@ async def test_sigterm_cuts_streams_after_grace_and_exits_0(start_app, tmp_path,
     assert await _upstream_saw_disconnects(upstream)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.fault_matrix(
+    fault="Router SIGTERM, requests still waiting for the replica's first byte when the grace period ends",
+    clients_saw="503 OpenAI-shaped error (router shutting down) at the end of shutdown_grace_s; replica request aborted; exit 0",
+)
+async def test_sigterm_answers_requests_without_a_first_byte_503(start_app, tmp_path, fault_record):
+    hold = asyncio.Event()  # a prefill that outlives the grace period
+    upstream = FakeUpstream(hold_before_headers=hold)
+    replica = await start_app(upstream.app())
+    proc, url, _ = start_router_proc(tmp_path, {"replicas": [replica], "server": {"shutdown_grace_s": 1.0}})
+    try:
+        await wait_http(url, "/ready")
+        async with aiohttp.ClientSession() as client:
+            bodies = [{**CHAT, "stream": stream} for stream in (True, False, True, False)]
+            pending = [asyncio.create_task(client.post(url + "/v1/chat/completions", json=b)) for b in bodies]
+            while len(upstream.requests) < len(bodies):
+                await asyncio.sleep(0.02)
+            proc.signal(signal.SIGTERM)
+            answers = []
+            for task in pending:
+                resp = await asyncio.wait_for(task, 20)
+                answers.append((resp.status, (await resp.json())["error"]["message"]))
+        code = await proc.wait(20)
+    finally:
+        hold.set()
+        proc.stop()
+    assert all(status == 503 and "router shutting down" in message for status, message in answers), answers
+    fault_record.count(sent=len(bodies), ok=0, clean_errors=len(answers))
+    assert code == 0
+    assert await _upstream_saw_disconnects(upstream)
+
+
 async def _upstream_saw_disconnects(upstream: FakeUpstream) -> bool:
     for _ in range(100):
         if upstream.disconnected.is_set():

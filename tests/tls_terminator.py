@@ -42,6 +42,8 @@ class TLSTerminator:
             self._tasks.discard(task)
         for w in (writer, up_writer):
             w.close()
+            with contextlib.suppress(OSError, ssl.SSLError):
+                await w.wait_closed()
 
     @staticmethod
     async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -51,7 +53,8 @@ class TLSTerminator:
                 await writer.drain()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
         for task in list(self._tasks):
             task.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
