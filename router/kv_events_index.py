@@ -26,7 +26,7 @@ from ..metrics.kv_events import (
     namespace_prior,
     request_namespace,
 )
-from .kv_index import match_prefix
+from .block_holders import BlockHolders, match_prefix
 from .tokenizers import Tokenizer
 
 log = logging.getLogger("kvrouter")
@@ -38,8 +38,8 @@ _TIER = {MEDIUM_GPU: _DEVICE, None: _DEVICE, MEDIUM_CPU: _HOST}  # None: pre-`me
 class ExactKVIndex:
     def __init__(self, page_size: int = 64) -> None:
         self.block_tokens = page_size
-        self._device: dict[int, set[str]] = {}  # block -> replicas holding it on the GPU
-        self._any: dict[int, set[str]] = {}  # block -> replicas holding it on GPU or host
+        self._device = BlockHolders()  # block -> replicas holding it on the GPU
+        self._any = BlockHolders()  # block -> replicas holding it on GPU or host
         self._tiers: dict[str, dict[int, int]] = {}  # replica -> block -> tier bits
         self._warned: set[str] = set()
 
@@ -49,7 +49,7 @@ class ExactKVIndex:
 
     def match_host(self, blocks: Sequence[int], limit: int | None = None) -> dict[str, int]:
         """Prefix tokens past the device match that a replica holds on its host tier."""
-        if not blocks or not self._any.get(blocks[0]):
+        if not blocks or not self._any.mask(blocks[0]):
             return {}
         device = self.match(blocks, limit)
         both = match_prefix(self._any, blocks, limit, self.block_tokens)
@@ -64,8 +64,8 @@ class ExactKVIndex:
     def forget(self, replica: str) -> None:
         for block, bits in self._tiers.pop(replica, {}).items():
             if bits & _DEVICE:
-                _drop(self._device, block, replica)
-            _drop(self._any, block, replica)
+                self._device.discard(block, replica)
+            self._any.discard(block, replica)
 
     def cached_tokens(self, replica: str) -> int:
         tiers = self._tiers.get(replica, {})
@@ -99,9 +99,9 @@ class ExactKVIndex:
                 continue
             tiers[block] = bits | bit
             if bit == _DEVICE:
-                self._device.setdefault(block, set()).add(replica)
+                self._device.add(block, replica)
             if not bits:
-                self._any.setdefault(block, set()).add(replica)
+                self._any.add(block, replica)
 
     def _remove(self, replica: str, blocks: list[int], bit: int) -> None:
         tiers = self._tiers.get(replica)
@@ -113,20 +113,12 @@ class ExactKVIndex:
                 continue  # never stored (e.g. before we subscribed)
             bits &= ~bit
             if bit == _DEVICE:
-                _drop(self._device, block, replica)
+                self._device.discard(block, replica)
             if bits:
                 tiers[block] = bits
             else:
                 del tiers[block]
-                _drop(self._any, block, replica)
-
-
-def _drop(holders: dict[int, set[str]], block: int, replica: str) -> None:
-    held = holders.get(block)
-    if held is not None:
-        held.discard(replica)
-        if not held:
-            del holders[block]
+                self._any.discard(block, replica)
 
 
 def request_blocks(

@@ -9,17 +9,18 @@ Synchronous and lock-free: the event loop is the only writer.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from .block_holders import BlockHolders, match_prefix
 
 
 class ShadowKVIndex:
     def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = 444_672) -> None:
         self.block_tokens = block_tokens
         self.default_capacity_tokens = default_capacity_tokens
-        self._holders: dict[int, set[str]] = {}
+        self._holders = BlockHolders()
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity_blocks: dict[str, int] = {}
 
@@ -44,7 +45,7 @@ class ShadowKVIndex:
                 lru.move_to_end(block)
             else:
                 lru[block] = None
-                self._holders.setdefault(block, set()).add(replica)
+                self._holders.add(block, replica)
         self._evict(replica)
 
     def _evict(self, replica: str) -> None:
@@ -54,14 +55,7 @@ class ShadowKVIndex:
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
         while len(lru) > limit:
             block, _ = lru.popitem(last=False)
-            self._drop(block, replica)
-
-    def _drop(self, block: int, replica: str) -> None:
-        holders = self._holders.get(block)
-        if holders is not None:
-            holders.discard(replica)
-            if not holders:
-                del self._holders[block]
+            self._holders.discard(block, replica)
 
     def forget(self, replica: str, blocks: Iterable[int] | None = None) -> None:
         """Drop a replica entirely (removed, flushed) or some of its blocks."""
@@ -70,13 +64,13 @@ class ShadowKVIndex:
             return
         if blocks is None:
             for block in lru:
-                self._drop(block, replica)
+                self._holders.discard(block, replica)
             del self._lru[replica]
             return
         for block in blocks:
             if block in lru:
                 del lru[block]
-                self._drop(block, replica)
+                self._holders.discard(block, replica)
 
     def cached_tokens(self, replica: str) -> int:
         return len(self._lru.get(replica, ())) * self.block_tokens
@@ -91,49 +85,3 @@ class KVIndex(Protocol):
     def set_capacity(self, replica: str, max_total_num_tokens: int) -> None: ...
     def forget(self, replica: str) -> None: ...
     def cached_tokens(self, replica: str) -> int: ...
-
-
-def match_prefix(
-    holders: Mapping[int, set[str]], blocks: Sequence[int], limit: int | None, block_tokens: int
-) -> dict[str, int]:
-    """Tokens of the longest prefix of `blocks` per replica in `holders` (block -> replicas): all
-    of them, or the `limit` deepest (ties by id).
-
-    Each replica's blocks are prefix-closed (a block is only ever evicted after its
-    descendants), so the holder sets along `blocks` shrink monotonically. Bisecting on where
-    they shrink costs O(breakpoints x log n) lookups instead of one set operation per block,
-    and visiting deeper intervals first lets `limit` stop before the shallow breakpoint where
-    a shared system prompt's holders (possibly the whole fleet) drop out.
-    """
-    if not blocks:
-        return {}
-    empty: set[str] = set()
-    first = holders.get(blocks[0], empty)
-    if not first:
-        return {}
-    cap = len(first) if limit is None else limit
-    matched: dict[str, int] = {}
-
-    def take(group: set[str], depth: int) -> None:
-        need = cap - len(matched)
-        chosen = group if len(group) <= need else heapq.nsmallest(need, group)
-        for replica in sorted(chosen):  # set order varies by process; results must not
-            matched[replica] = depth * block_tokens
-
-    last_index = len(blocks) - 1
-    last = holders.get(blocks[last_index], empty) & first
-    if last:
-        take(last, len(blocks))
-    stack = [(0, last_index, first, last)]
-    while stack and len(matched) < cap:
-        lo, hi, at_lo, at_hi = stack.pop()
-        if len(at_lo) == len(at_hi):
-            continue  # nobody stops holding between lo and hi
-        if hi - lo == 1:
-            take(at_lo - at_hi, hi)
-            continue
-        mid = (lo + hi) // 2
-        at_mid = holders.get(blocks[mid], empty) & at_lo
-        stack.append((lo, mid, at_lo, at_mid))
-        stack.append((mid, hi, at_mid, at_hi))  # deeper half first
-    return matched

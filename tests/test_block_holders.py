@@ -1,0 +1,93 @@
+"""BlockHolders (bitmask holders) and its match_prefix against the set-based original."""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import random
+
+from kvrouter.router.block_holders import BlockHolders, match_prefix
+
+
+def match_with_sets(holders: dict[int, set[str]], blocks, limit, block_tokens):
+    """The previous implementation (block -> set of replicas), kept as the reference."""
+    if not blocks:
+        return {}
+    empty: set[str] = set()
+    first = holders.get(blocks[0], empty)
+    if not first:
+        return {}
+    cap = len(first) if limit is None else limit
+    matched: dict[str, int] = {}
+
+    def take(group, depth):
+        need = cap - len(matched)
+        chosen = group if len(group) <= need else heapq.nsmallest(need, group)
+        for replica in sorted(chosen):
+            matched[replica] = depth * block_tokens
+
+    last_index = len(blocks) - 1
+    last = holders.get(blocks[last_index], empty) & first
+    if last:
+        take(last, len(blocks))
+    stack = [(0, last_index, first, last)]
+    while stack and len(matched) < cap:
+        lo, hi, at_lo, at_hi = stack.pop()
+        if len(at_lo) == len(at_hi):
+            continue
+        if hi - lo == 1:
+            take(at_lo - at_hi, hi)
+            continue
+        mid = (lo + hi) // 2
+        at_mid = holders.get(blocks[mid], empty) & at_lo
+        stack.append((lo, mid, at_lo, at_mid))
+        stack.append((mid, hi, at_mid, at_hi))
+    return matched
+
+
+def test_same_matches_as_sets_in_the_same_order():
+    """Random holders (prefix-closed or not), random adds and removals, every limit: the dict
+    returned, insertion order included, equals the set-based one's."""
+    rng = random.Random(11)
+    for _ in range(300):
+        replicas = [f"r{i}" for i in range(rng.randrange(1, 140))]
+        blocks = list(range(rng.randrange(1, 30)))
+        bits, sets = BlockHolders(), {}
+        for _ in range(rng.randrange(1, 400)):
+            block, replica = rng.choice(blocks), rng.choice(replicas)
+            if rng.random() < 0.7:
+                bits.add(block, replica)
+                sets.setdefault(block, set()).add(replica)
+            else:
+                bits.discard(block, replica)
+                if replica in sets.get(block, ()):
+                    sets[block].discard(replica)
+                    if not sets[block]:
+                        del sets[block]
+        for block in blocks:
+            assert sorted(bits.replicas(bits.mask(block))) == sorted(sets.get(block, ()))
+        for limit in (None, 1, 3, 32):
+            query = rng.sample(blocks, rng.randrange(1, len(blocks) + 1))
+            got = match_prefix(bits, query, limit, 64)
+            want = match_with_sets(sets, query, limit, 64)
+            assert list(got.items()) == list(want.items())
+
+
+def test_slots_are_reused_and_masks_stay_short():
+    holders = BlockHolders()
+    for i in range(100):
+        holders.add(1, f"r{i}")
+    for i in range(100):
+        holders.discard(1, f"r{i}")
+    assert holders.mask(1) == 0
+    holders.add(2, "late")
+    assert holders.mask(2) == 1  # the lowest free slot
+    assert holders.replicas(holders.mask(2)) == ["late"]
+
+
+def test_the_collector_never_tracks_the_holders():
+    holders = BlockHolders()
+    for block in range(10_000):
+        holders.add(block, f"r{block % 7}")
+    gc.collect()
+    assert not gc.is_tracked(holders._masks)
