@@ -87,18 +87,21 @@ def measure(n: int, policy: str, decisions: int, repeats: int) -> dict[str, floa
             "engine_p99_range_us": [min(b[3] for b in blocks_stats), max(b[3] for b in blocks_stats)]}
 
 
-def machine_jitter(samples: int = 4000) -> dict[str, float]:
-    """The same statistics for a fixed ~30 us pure-Python loop: the tail this machine adds to any
-    work of that size, whatever the work is."""
+def machine_jitter(samples: int = 8000) -> dict[str, float]:
+    """The same statistics for a fixed pure-Python loop as long as a new session's placement
+    (~45 us): the tail this machine adds to any work of that size. On a VM, timer interrupts
+    (every 4 ms at HZ=250) cost ~100-150 us each, so ~1% of 45 us samples carry one, which is
+    exactly where p99 is read."""
     clock = time.perf_counter
     times = []
     for _ in range(samples):
         t0 = clock()
         total = 0
-        for i in range(900):
+        for i in range(1500):
             total += i * i
         times.append((clock() - t0) * 1e6)
-    return {"p50_us": pct(times, 0.5), "p99_us": pct(times, 0.99)}
+    return {"p50_us": pct(times, 0.5), "p99_us": pct(times, 0.99),
+            "over_100us_share": sum(t > 100 for t in times) / len(times)}
 
 
 def main() -> int:
@@ -117,7 +120,8 @@ def main() -> int:
         pr, er = r["policy_p99_range_us"], r["engine_p99_range_us"]
         print(f"{r['replicas']:>8} {r['policy_p50_us']:>14.1f} {r['policy_p99_us']:>8.1f} ({pr[0]:.0f}-{pr[1]:.0f}) "
               f"{r['engine_p50_us']:>14.1f} {r['engine_p99_us']:>8.1f} ({er[0]:.0f}-{er[1]:.0f})")
-    print(f"machine jitter, a fixed pure-Python loop: p50 {jitter['p50_us']:.1f} us, p99 {jitter['p99_us']:.1f} us")
+    print(f"machine jitter, a fixed pure-Python loop: p50 {jitter['p50_us']:.1f} us, p99 {jitter['p99_us']:.1f} us, "
+          f"{jitter['over_100us_share']:.2%} of samples over 100 us")
     if args.json:
         Path(args.json).write_text(json.dumps({"policy": args.policy, "rows": rows, "machine_jitter": jitter},
                                               indent=2) + "\n")

@@ -9,11 +9,14 @@ Synchronous and lock-free: the event loop is the only writer.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Protocol
 
 from .block_holders import BlockHolders, match_prefix
+
+
+_ABSENT = object()
 
 
 class ShadowKVIndex:
@@ -21,7 +24,10 @@ class ShadowKVIndex:
         self.block_tokens = block_tokens
         self.default_capacity_tokens = default_capacity_tokens
         self._holders = BlockHolders()
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        # replica -> its blocks, oldest first. Plain dicts (insertion-ordered; re-inserting a key
+        # moves it to the end) of ints are never tracked by the garbage collector; OrderedDicts
+        # are, and a full collection walked every entry of them (~190 ms at 1000 replicas).
+        self._lru: dict[str, dict[int, None]] = {}
         self._capacity_blocks: dict[str, int] = {}
 
     def set_capacity(self, replica: str, max_total_num_tokens: int) -> None:
@@ -39,12 +45,11 @@ class ShadowKVIndex:
     def record(self, replica: str, blocks: Sequence[int]) -> None:
         lru = self._lru.get(replica)
         if lru is None:
-            lru = self._lru[replica] = OrderedDict()
+            lru = self._lru[replica] = {}
         for block in reversed(blocks):
-            if block in lru:
-                lru.move_to_end(block)
-            else:
-                lru[block] = None
+            known = lru.pop(block, _ABSENT) is None
+            lru[block] = None  # now the most recent
+            if not known:
                 self._holders.add(block, replica)
         self._evict(replica)
 
@@ -53,9 +58,11 @@ class ShadowKVIndex:
         if lru is None:
             return
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
-        while len(lru) > limit:
-            block, _ = lru.popitem(last=False)
-            self._holders.discard(block, replica)
+        excess = len(lru) - limit
+        if excess > 0:  # the oldest, in one pass (each fresh iterator rescans deleted slots)
+            for block in list(islice(lru, excess)):
+                del lru[block]
+                self._holders.discard(block, replica)
 
     def forget(self, replica: str, blocks: Iterable[int] | None = None) -> None:
         """Drop a replica entirely (removed, flushed) or some of its blocks."""

@@ -91,3 +91,37 @@ def test_the_collector_never_tracks_the_holders():
         holders.add(block, f"r{block % 7}")
     gc.collect()
     assert not gc.is_tracked(holders._masks)
+
+
+def test_shadow_index_lru_order_and_gc_untracked():
+    """The shadow index's per-replica LRU (plain dicts) keeps exactly the blocks, in exactly the
+    order, an OrderedDict LRU would; and neither it nor the holders are tracked by the GC."""
+    from collections import OrderedDict
+
+    from kvrouter.router.kv_index import ShadowKVIndex
+
+    rng = random.Random(5)
+    idx = ShadowKVIndex(64)
+    reference: dict[str, OrderedDict[int, None]] = {}
+    capacity = {f"r{i}": rng.randrange(3, 40) for i in range(4)}
+    for replica, blocks in capacity.items():
+        idx.set_capacity(replica, blocks * 64)
+    for _ in range(2000):
+        replica = rng.choice(list(capacity))
+        blocks = [rng.randrange(60) for _ in range(rng.randrange(1, 12))]
+        idx.record(replica, blocks)
+        lru = reference.setdefault(replica, OrderedDict())
+        for block in reversed(blocks):
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+        while len(lru) > capacity[replica]:
+            lru.popitem(last=False)
+        assert list(idx._lru[replica]) == list(lru)
+    for block in range(60):
+        holders = idx._holders.replicas(idx._holders.mask(block))
+        assert sorted(holders) == sorted(r for r, lru in reference.items() if block in lru)
+    gc.collect()
+    assert not any(gc.is_tracked(lru) for lru in idx._lru.values())
+    assert not gc.is_tracked(idx._holders._masks)
