@@ -119,8 +119,12 @@ class Relay:
         return len(self._cut)
 
     def _was_cut(self, task: asyncio.Task[object]) -> bool:
-        """True if `task`'s cancellation is only cut_requests' (then it is withdrawn)."""
-        return task in self._cut and task.uncancel() == 0
+        """True if `task`'s cancellation is only cut_requests' (then it is withdrawn). Asked once
+        per cut: a cancellation that also had another source propagates, and is not asked again."""
+        if task not in self._cut:
+            return False
+        self._cut.discard(task)
+        return task.uncancel() == 0
 
     async def close(self) -> None:
         if self.session is not None:

@@ -155,3 +155,43 @@ async def _upstream_saw_disconnects(upstream: FakeUpstream) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+async def test_a_cut_that_coincides_with_a_client_disconnect_still_propagates():
+    """Found in review: the cut check is made in the stream relay and again in forward(); a
+    cancellation with a second source (the client left too) must not be swallowed by the second."""
+    from kvrouter.router.app import Router
+    from kvrouter.router.config import parse_config
+
+    relay = Router(parse_config({"replicas": ["http://127.0.0.1:9"]})).relay
+    started = asyncio.Event()
+
+    async def handler() -> str:
+        task = asyncio.current_task()
+        relay._active.add(task)
+        started.set()
+        try:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not relay._was_cut(task):  # the stream relay's check
+                    raise
+                return "cut"
+        except asyncio.CancelledError:
+            if not relay._was_cut(task):  # forward()'s check
+                raise
+            return "cut"
+        return "done"
+
+    alone = asyncio.create_task(handler())
+    await started.wait()
+    relay.cut_requests("shutting down")
+    assert await alone == "cut"
+
+    started.clear()
+    both = asyncio.create_task(handler())
+    await started.wait()
+    relay.cut_requests("shutting down")
+    both.cancel()  # the client went away at the same moment
+    with pytest.raises(asyncio.CancelledError):
+        await both
