@@ -153,7 +153,7 @@ def performance(replicas: int = 1000, sessions: int = 5000, duration_s: float = 
         lines.append(f"| {page or 64} | {wall:.1f} | {sim.events:,} | {sim.events / wall:,.0f} | "
                      f"{rows[page or 64]['requests']:,} |")
     head = (f"{replicas} replicas x {sessions} sessions x {duration_s:.0f} simulated s, coding-agent, "
-            "one core (`kvrouter simulate --replicas 1000 --sessions 5000 --duration 600 --page-tokens 512`):")
+            "one core (`kvrouter simulate --replicas 1000 --sessions 5000 --duration 600 --seed 1 --page-tokens 512`):")
     return head + "\n\n" + "\n".join(lines), rows
 
 
