@@ -26,7 +26,8 @@ class ShadowKVIndex:
         self._holders = BlockHolders()
         # replica -> its blocks, oldest first. Plain dicts (insertion-ordered; re-inserting a key
         # moves it to the end) of ints are never tracked by the garbage collector; OrderedDicts
-        # are, and a full collection walked every entry of them (~190 ms at 1000 replicas).
+        # are, and a full collection walked every entry (~190 ms for 6.8M blocks). The price:
+        # evicting one block rescans slots freed since the dict last resized (~2 us, not O(1)).
         self._lru: dict[str, dict[int, None]] = {}
         self._capacity_blocks: dict[str, int] = {}
 

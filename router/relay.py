@@ -111,7 +111,8 @@ class Relay:
 
     def cut_requests(self, reason: str) -> int:
         """End every request being forwarded now (the shutdown grace is over): a stream already
-        started gets an SSE error event, anything else a 503; the replicas' requests are aborted."""
+        started gets an SSE error event, anything else a 503; the replicas' requests are aborted.
+        Called once per process: a second call would also cancel handlers writing that error."""
         self._cut_reason = reason
         for task in self._active - self._cut:
             self._cut.add(task)
