@@ -106,9 +106,8 @@ def machine_jitter(samples: int = 8000) -> dict[str, float]:
 
 def cold_memory_probe(idle_s: float = 5.0, lookups: int = 6000) -> dict[str, float]:
     """KV-index matches of returning sessions in the 1000-replica fleet, twice in a row (the
-    second pass finds the same memory warm) and again after `idle_s` of idling. On this VM, memory
-    left alone for seconds is slow to touch again without any page fault the guest can count,
-    which is what a returning session's first match meets."""
+    second pass finds the same memory warm) and again after `idle_s` of idling: on this VM, memory
+    left alone for seconds is slow to touch again."""
     rng = random.Random(7)
     engine, sessions = build(1000, "coding-agent", rng)
     picks = [sessions[rng.randrange(len(sessions))][1] for _ in range(lookups)]
@@ -130,6 +129,36 @@ def cold_memory_probe(idle_s: float = 5.0, lookups: int = 6000) -> dict[str, flo
             "idle_s": idle_s}
 
 
+def allocation_probe(blocks_of_work: int = 30, per_block: int = 400) -> dict[str, float]:
+    """The whole step at 1000 replicas, interleaved in small blocks: with each new request's block
+    hashes built just before it (as the router does while parsing a request, and as `measure`
+    does) and with the same hashes pre-built. The difference is what allocating ~60 KB of fresh
+    objects right before the step costs it on this machine, not work the step does."""
+    rng = random.Random(9)
+    engine, sessions = build(1000, "coding-agent", rng)
+    prebuilt = [tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS)) for _ in range(200)]
+    clock = time.perf_counter
+    times: dict[str, list[float]] = {"fresh": [], "prebuilt": []}
+    for _ in range(blocks_of_work):
+        for mode, out in times.items():
+            for i in range(per_block):
+                if i % 2:
+                    key, blocks = sessions[rng.randrange(len(sessions))]
+                elif mode == "fresh":
+                    key, blocks = f"new-{rng.getrandbits(64)}", tuple(
+                        rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+                else:
+                    key, blocks = f"new-{rng.getrandbits(64)}", prebuilt[i % len(prebuilt)]
+                summary = RequestSummary("/v1/chat/completions", session_key=key,
+                                         prompt_tokens=PROMPT_TOKENS, prefix_blocks=blocks)
+                view = engine.table.view(key)
+                t0 = clock()
+                engine.decide(summary, view)
+                out.append((clock() - t0) * 1e6)
+    return {"fresh_p50_us": pct(times["fresh"], 0.5), "fresh_p99_us": pct(times["fresh"], 0.99),
+            "prebuilt_p50_us": pct(times["prebuilt"], 0.5), "prebuilt_p99_us": pct(times["prebuilt"], 0.99)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="coding-agent")
@@ -140,6 +169,7 @@ def main() -> int:
     rows = [measure(n, args.policy, args.decisions, args.repeats) for n in (8, 100, 1000)]
     jitter = machine_jitter()
     cold = cold_memory_probe()
+    allocation = allocation_probe()
     print(f"policy {args.policy}: {args.repeats} blocks of {args.decisions} decisions per fleet size "
           f"(half returning sessions, half new); median block, p99 range over blocks")
     print(f"{'replicas':>8} {'decide p50 us':>14} {'decide p99 us':>22} {'+index p50 us':>14} {'+index p99 us':>22}")
@@ -151,9 +181,12 @@ def main() -> int:
           f"{jitter['over_100us_share']:.2%} of samples over 100 us")
     print(f"KV-index match at 1000 replicas, p99: first pass {cold['first_pass_p99_us']:.1f} us, same lookups again "
           f"{cold['warm_p99_us']:.1f} us, again after {cold['idle_s']:.0f} s idle {cold['after_idle_p99_us']:.1f} us")
+    print(f"whole step at 1000 replicas, interleaved: request hashes built just before p50 "
+          f"{allocation['fresh_p50_us']:.1f} / p99 {allocation['fresh_p99_us']:.1f} us, pre-built p50 "
+          f"{allocation['prebuilt_p50_us']:.1f} / p99 {allocation['prebuilt_p99_us']:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps({"policy": args.policy, "rows": rows, "machine_jitter": jitter,
-                                               "cold_memory": cold},
+                                               "cold_memory": cold, "allocation": allocation},
                                               indent=2) + "\n")
     return 0
 
