@@ -46,12 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_scenarios as sc  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvrouter.loadtest.compare import free_port  # noqa: E402
 
 
 def _ready(url: str) -> bool:

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,13 +35,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from kvrouter.loadtest.compare import free_port
+
 ADMIN_TOKEN = "soak-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_sample(pid: int) -> tuple[int, int]:

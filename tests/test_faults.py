@@ -21,7 +21,7 @@ from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 
 from .fakes import FakeUpstream
 from .procs import eventually, running_reqs, start_sim_proc, wait_http
-from .redis_server import free_port
+from kvrouter.loadtest.compare import free_port
 
 SLOW = 0.05  # simulated-model seconds per wall second: 100 tokens take ~3 s on "tiny"
 

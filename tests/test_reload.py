@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from .fakes import FakeUpstream
-from .redis_server import free_port
+from kvrouter.loadtest.compare import free_port
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
