@@ -534,6 +534,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, pil_kwargs={"optimize": True})  # small PNGs: they are checked in
+    plt.close(fig)
+
+
 def _names(runs: Sequence[RunData]) -> list[str]:
     return list(dict.fromkeys(r.contender for r in runs))
 
@@ -570,9 +576,7 @@ def chart_interactivity(runs: Sequence[RunData], path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, pil_kwargs={"optimize": True})
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def chart_ttft(runs: Sequence[RunData], path: Path) -> None:
@@ -611,9 +615,7 @@ def chart_ttft(runs: Sequence[RunData], path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, pil_kwargs={"optimize": True})
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def chart_replica_load(runs: Sequence[RunData], path: Path) -> None:
@@ -637,9 +639,7 @@ def chart_replica_load(runs: Sequence[RunData], path: Path) -> None:
     axes[-1, 0].set_xlabel("model time (min)")
     shaded = " (grey: warm-up, not measured)" if any(r.warmup_s for r in chosen) else ""
     fig.suptitle(f"Running requests per replica, {top} users{shaded}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, pil_kwargs={"optimize": True})
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_charts(runs: Sequence[RunData], out_dir: Path) -> list[Path]:
