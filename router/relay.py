@@ -183,7 +183,7 @@ class Relay:
         child = self.metrics.child
         m = self.metrics
         path_qs = request.rel_url.path_qs
-        recorded_home: list[str | None] = [None]
+        recorded_home: str | None = None
         began = False  # the session's begin() is called once, on the first attempt
         for attempt in range(self.config.max_attempts):
             if tried:
@@ -210,13 +210,13 @@ class Relay:
                     force=decision.home is not None and old_home not in (None, decision.home),
                     tokens=summary.prompt_tokens,
                 )
-                recorded_home[0] = home
+                recorded_home = home
                 if decision.home is not None and home not in (None, url) and self._usable(home):
                     url = home  # another request or router set this session's home first
-            elif key is not None and decision.home is not None and decision.home != recorded_home[0]:
+            elif key is not None and decision.home is not None and decision.home != recorded_home:
                 # A retry placed the session elsewhere: its KV will live there, so its home too.
                 await self.affinity.move(key, decision.home)
-                recorded_home[0] = decision.home
+                recorded_home = decision.home
             tried.add(url)
             child(m.decisions, policy, decision.reason).inc()
             self.engine.dispatched(url, summary)
