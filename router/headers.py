@@ -22,6 +22,7 @@ _HOP_BY_HOP: frozenset[str] = frozenset(
         "trailer",
         "transfer-encoding",
         "upgrade",
+        "expect",  # the router answers 100-continue itself and sends replicas whole bodies
         "host",
         "content-length",
     }

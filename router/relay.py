@@ -22,13 +22,14 @@ from .config import UpstreamConfig
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
+from .upstream_http import UpstreamBodyError, UpstreamConnectError, UpstreamPool, UpstreamResponse
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
 REPLICA_HEADER = "x-kvrouter-replica"
 WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
-_RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
-_BROKEN_BODY = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+_RETRYABLE = (UpstreamConnectError, asyncio.TimeoutError)
+_BROKEN_BODY = (UpstreamBodyError, asyncio.TimeoutError)
 
 
 class UpstreamBroken(Exception):
@@ -90,7 +91,8 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self.clock = clock
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # control plane: polls, /v1/models
+        self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s)  # requests
         self._active: set[asyncio.Task[object]] = set()  # handlers forwarding a request now
         self._cut: set[asyncio.Task[object]] = set()  # of those, the ones cut_requests cancelled
         self._cut_reason = ""
@@ -128,6 +130,7 @@ class Relay:
         return task.uncancel() == 0
 
     async def close(self) -> None:
+        await self.pool.close()
         if self.session is not None:
             await self.session.close()
 
@@ -225,9 +228,7 @@ class Relay:
             try:
                 sent = self.clock()
                 try:
-                    upstream = await self.session.request(
-                        request.method, url + path_qs, data=body, headers=headers
-                    )
+                    upstream = await self.pool.request(request.method, url, path_qs, headers, body)
                 except _RETRYABLE as err:
                     self.registry.record_failure(url)
                     kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "connect"
@@ -269,7 +270,7 @@ class Relay:
     async def _relay(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         url: str,
         request_id: str,
         sent: float,
@@ -314,7 +315,7 @@ class Relay:
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         url: str,
         headers: CIMultiDict[str],
         sse: bool,
@@ -323,11 +324,11 @@ class Relay:
         response = _Response(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
         write = response.write
-        content = upstream.content
+        readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
         try:
             try:
-                chunk = await content.readany()
+                chunk = await readany()
             except _BROKEN_BODY as err:
                 raise _broken(err) from err
             self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
@@ -348,7 +349,7 @@ class Relay:
                     else:
                         tail += chunk
                 try:
-                    chunk = await content.readany()
+                    chunk = await readany()
                 except _BROKEN_BODY as err:
                     raise _broken(err) from err
         except UpstreamBroken as err:

@@ -73,10 +73,7 @@ async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(star
                         if h.transport is not None]
         assert server_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in server_socks)
-        assert router.relay.session is not None
-        conns = [proto for protos in router.relay.session.connector._conns.values() for proto, _ in protos]
-        conns += list(router.relay.session.connector._acquired)
-        upstream_socks = [p.transport.get_extra_info("socket") for p in conns if p.transport is not None]
+        upstream_socks = [t.get_extra_info("socket") for t in router.relay.pool.connections()]
         assert upstream_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in upstream_socks)
         await asyncio.wait_for(reader.read(65536), 10)

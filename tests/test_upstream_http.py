@@ -1,0 +1,294 @@
+"""The relay's HTTP/1.1 client (router/upstream_http.py) against real servers on 127.0.0.1:
+aiohttp apps for well-formed replicas, raw asyncio servers for the malformed and the broken."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvrouter.router.upstream_http import (
+    UpstreamBodyError,
+    UpstreamConnectError,
+    UpstreamPool,
+)
+
+JSON = CIMultiDict({"Content-Type": "application/json"})
+RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+async def raw_server() -> AsyncIterator[Callable[[RawHandler], Awaitable[str]]]:
+    """A TCP server that answers with whatever bytes the test writes."""
+    servers: list[asyncio.Server] = []
+
+    async def _start(handler: RawHandler) -> str:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield _start
+    for server in servers:
+        server.close()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head, await reader.readexactly(length)
+
+
+def echo_app(peers: list[object]) -> web.Application:
+    async def echo(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(body=await request.read(), headers={
+            "X-Path": request.path_qs, "X-Host": request.host, "X-Seen": request.headers.get("X-Test", ""),
+        })
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", echo)
+    return app
+
+
+async def test_keep_alive_reuse_path_prefix_and_headers(start_app) -> None:
+    peers: list[object] = []
+    url = await start_app(echo_app(peers))
+    pool = UpstreamPool(2, 10)
+    try:
+        for i in range(3):
+            headers = CIMultiDict({"X-Test": f"t{i}"})
+            resp = await pool.request("POST", url + "/prefix", "/v1/chat?x=1", headers, b"body%d" % i)
+            assert resp.status == 200
+            assert await resp.read() == b"body%d" % i
+            assert resp.headers["X-Path"] == "/prefix/v1/chat?x=1"
+            assert resp.headers["X-Host"] == url.removeprefix("http://")
+            assert resp.headers["X-Seen"] == f"t{i}"
+            assert resp.content_length == len(b"body0")
+            resp.close()
+        assert len(set(peers)) == 1  # one connection, kept alive
+        assert len(pool.connections()) == 1
+    finally:
+        await pool.close()
+
+
+async def test_chunked_streaming_arrives_piece_by_piece(start_app) -> None:
+    release = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await release.wait()
+        await resp.write(b"data: 2\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/s", stream)
+    url = await start_app(app)
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", url, "/s", JSON, b"{}")
+        assert resp.content_type == "text/event-stream"
+        assert resp.content_length is None
+        assert await resp.readany() == b"data: 1\n\n"  # before the server sends the rest
+        release.set()
+        assert await resp.read() == b"data: 2\n\n"
+        resp.close()
+        assert len(pool.connections()) == 1  # chunked end seen: reusable
+    finally:
+        await pool.close()
+
+
+async def test_body_ended_by_close_informational_skipped(raw_server) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\":")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"1}")
+        writer.close()
+
+    url = await raw_server(handler)
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert resp.status == 200
+        assert await resp.read() == b'{"a":1}'
+        resp.close()
+        assert pool.connections() == []
+    finally:
+        await pool.close()
+
+
+async def test_stale_idle_connection_is_retried_once_on_a_new_one(raw_server) -> None:
+    """The replica closes a kept-alive connection just as the next request is written: nothing
+    was answered, so the request goes again on a fresh connection (and is answered once)."""
+    served = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, body = await _read_request(reader)
+        served.append(body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await _read_request(reader)  # the next request on this connection: drop it unanswered
+        writer.transport.abort()
+
+    url = await raw_server(handler)
+    pool = UpstreamPool(2, 10)
+    try:
+        for body in (b"1", b"2"):
+            resp = await pool.request("POST", url, "/", JSON, body)
+            assert await resp.read() == b"ok"
+            resp.close()
+        assert served == [b"1", b"2"]
+    finally:
+        await pool.close()
+
+
+async def test_refused_and_garbled_responses_are_connect_errors(raw_server, closed_port_url) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+
+    async def upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        await writer.drain()
+
+    pool = UpstreamPool(2, 10)
+    try:
+        with pytest.raises(UpstreamConnectError):
+            await pool.request("POST", closed_port_url, "/", JSON, b"{}")
+        for handler in (garbage, upgrade):
+            with pytest.raises(UpstreamConnectError):
+                await pool.request("POST", await raw_server(handler), "/", JSON, b"{}")
+    finally:
+        await pool.close()
+
+
+async def test_break_mid_body_keeps_received_bytes_then_raises(raw_server) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", await raw_server(handler), "/", JSON, b"{}")
+        assert await resp.readany() == b"partial"
+        with pytest.raises(UpstreamBodyError):
+            await resp.readany()
+        resp.close()
+    finally:
+        await pool.close()
+
+
+async def test_total_timeout_before_headers_and_in_the_body(raw_server) -> None:
+    hang = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await hang.wait()
+
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await hang.wait()
+
+    pool = UpstreamPool(2, 0.3)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await pool.request("POST", await raw_server(silent), "/", JSON, b"{}")
+        resp = await pool.request("POST", await raw_server(slow_body), "/", JSON, b"{}")
+        assert await resp.readany() == b"abc"
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.readany()
+        resp.close()
+        assert pool.connections() == []
+    finally:
+        hang.set()
+        await pool.close()
+
+
+async def test_cancelled_wait_aborts_the_replica_connection(raw_server) -> None:
+    """A client gone while the replica thinks: the replica's connection is closed (it stops)."""
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await reader.read()  # returns at EOF: the router hung up
+        closed.set()
+
+    pool = UpstreamPool(2, 10)
+    try:
+        task = asyncio.create_task(pool.request("POST", await raw_server(handler), "/", JSON, b"{}"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        await pool.close()
+
+
+async def test_unread_large_body_pauses_the_replica(start_app) -> None:
+    """Back-pressure: a reader that stops reading stops the socket reads too, so a fast replica
+    cannot fill the router's memory; reading again resumes it."""
+    piece = b"x" * 65536
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):  # 4 MiB
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/big", big)
+    url = await start_app(app)
+    pool = UpstreamPool(2, 30)
+    try:
+        resp = await pool.request("POST", url, "/big", JSON, b"{}")
+        await asyncio.sleep(0.3)  # the replica writes as fast as it can meanwhile
+        first = await resp.readany()
+        assert 0 < len(first) <= 2 * (1 << 20)  # paused near the 1 MiB high-water mark
+        assert len(first) + len(await resp.read()) == 64 * len(piece)
+        resp.close()
+    finally:
+        await pool.close()
+
+
+async def test_line_breaks_in_header_values_are_refused(start_app) -> None:
+    url = await start_app(echo_app([]))
+    pool = UpstreamPool(2, 10)
+    try:
+        for value in ("a\r\nX-Smuggled: 1", "a\nb", "a\rb"):
+            with pytest.raises(ValueError):
+                await pool.request("POST", url, "/", CIMultiDict({"X-Test": value}), b"{}")
+    finally:
+        await pool.close()
+
+
+async def test_nodelay_on_replica_connections(start_app) -> None:
+    url = await start_app(echo_app([]))
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        await resp.read()
+        socks = [t.get_extra_info("socket") for t in pool.connections()]
+        assert socks and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
+        resp.close()
+    finally:
+        await pool.close()
