@@ -15,6 +15,7 @@ count the request), one more only when it gives the session its first home or a 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -65,10 +66,14 @@ return redis.call('HGET', KEYS[1], 'home')
 """
 
 _END = """
-local n = redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[1], -1)
-if n <= 0 then redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1]) end
-return n
+for i, key in ipairs(KEYS) do
+  local n = redis.call('HINCRBY', key, 'r:' .. ARGV[1], -tonumber(ARGV[i + 1]))
+  if n <= 0 then redis.call('HDEL', key, 'r:' .. ARGV[1]) end
+end
+return #KEYS
 """
+# Decrements sent in one _END call at most (one Redis command however many requests ended).
+_END_BATCH = 256
 
 _HEARTBEAT = """
 local t = redis.call('TIME')
@@ -143,6 +148,7 @@ class RedisAffinityStore:
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[str], None] | None = None,
         password: str | None = None,
+        max_connections: int = 32,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -160,13 +166,18 @@ class RedisAffinityStore:
         self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
         self._unreleased: dict[str, int] = {}  # decrements that failed, retried on heartbeat
         self._homeless: set[str] = set()  # sessions Redis had no home for at their last acquire
-        self._releases: set[asyncio.Task[None]] = set()  # decrements on their way to Redis
+        self._to_release: dict[str, int] = {}  # decrements not sent yet (the flusher's next batch)
+        self._flusher: asyncio.Task[None] | None = None  # sends them, one batch per round trip
         self._closed = False
-        self.redis = aioredis.Redis.from_url(
-            url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
+        # A blocking pool: redis-py's default pool fails a call outright once 100 are in flight,
+        # which a burst of new requests reaches; waiting (bounded by op_timeout_s) is better.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=op_timeout_s,
+            socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
             retry_on_timeout=False, health_check_interval=0,
             **({"password": password} if password else {}),
         )
+        self.redis = aioredis.Redis.from_pool(pool)
         self._get = self.redis.register_script(_GET)
         self._claim = self.redis.register_script(_CLAIM)
         self._end = self.redis.register_script(_END)
@@ -272,31 +283,46 @@ class RedisAffinityStore:
     def _spawn_release(self, key: str) -> None:
         if self._closed:
             return  # no heartbeat any more: this router's counts expire with its lease
-        task = asyncio.create_task(self._release(key))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._to_release[key] = self._to_release.get(key, 0) + 1
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_releases(), name="redis-release")
 
-    async def _release(self, key: str) -> None:
+    async def _flush_releases(self) -> None:
+        """Send the pending decrements, a batch per round trip: under load, the requests that
+        ended while one batch was on the wire share the next command."""
         try:
-            await self._end(keys=[self._key(key)], args=[self.router_id])
-            self._ok()
-        except Exception as err:
-            self._failed("end", err)
-            # Redis still counts it: give it back once Redis answers again (heartbeat), or the
-            # session would look busier than it is for as long as this router lives.
-            self._unreleased[key] = self._unreleased.get(key, 0) + 1
+            while self._to_release:
+                batch = dict(itertools.islice(self._to_release.items(), _END_BATCH))
+                for key in batch:
+                    del self._to_release[key]
+                try:
+                    await self._send_end(batch)
+                    self._ok()
+                except Exception as err:
+                    self._failed("end", err)
+                    # Redis still counts them: give them back once Redis answers again
+                    # (heartbeat), or the sessions would look busier than they are.
+                    for key, n in batch.items():
+                        self._unreleased[key] = self._unreleased.get(key, 0) + n
+        finally:
+            self._flusher = None
+
+    async def _send_end(self, counts: dict[str, int]) -> None:
+        await self._end(keys=[self._key(k) for k in counts], args=[self.router_id, *counts.values()])
 
     async def settle(self) -> None:
-        """Wait until every release sent so far has reached Redis (or failed)."""
-        while self._releases:
-            await asyncio.gather(*self._releases)
+        """Wait until every release so far has reached Redis (or failed)."""
+        while self._flusher is not None:
+            await asyncio.shield(self._flusher)
 
     async def _release_pending(self) -> None:
-        for key in list(self._unreleased):
-            await self._end(keys=[self._key(key)], args=[self.router_id])
-            left = self._unreleased.pop(key) - 1
-            if left > 0:
-                self._unreleased[key] = left
+        while self._unreleased:
+            batch = dict(itertools.islice(self._unreleased.items(), _END_BATCH))
+            await self._send_end(batch)
+            for key, sent in batch.items():  # more may have failed meanwhile: keep those
+                left = self._unreleased.pop(key, 0) - sent
+                if left > 0:
+                    self._unreleased[key] = left
 
     async def move(self, key: str, home: str) -> None:
         await self.local.move(key, home)
