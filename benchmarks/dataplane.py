@@ -1,8 +1,9 @@
 """Data-plane overhead, measured side by side in ONE run: direct vs kvrouter vs any other router.
 
 Starts one SGLang-shaped upstream (benchmarks/upstream.py: FastAPI + uvicorn, SGLang's own HTTP
-stack, or aiohttp), `kvrouter serve` and every `--external` router as separate processes on
-127.0.0.1, then interleaves the targets request by request (or run by run, ABBA) so machine noise
+stack, or aiohttp), `kvrouter serve`, `tcp-pump` (benchmarks/tcp_pump.py: a byte pump with no
+HTTP in it, the floor any proxy on this machine pays for the extra hop) and every `--external`
+router as separate processes on 127.0.0.1, then interleaves the targets request by request (or run by run, ABBA) so machine noise
 hits all alike:
 
   (a) streaming C=1, 20 chunks: time to first byte and total, with aiohttp, async httpx and the
@@ -12,7 +13,9 @@ hits all alike:
   (c) non-streaming C=16 requests/s (aiohttp and httpx clients);
   (d) many concurrent slow streams (fresh connections, 20 chunks/s each): each router's CPU
       seconds (/proc utime+stime, process tree) per 1000 relayed chunks;
-  (e) with Redis available: kvrouter --workers 1 vs --workers 2 (Redis affinity) requests/s;
+  (e) with Redis available: kvrouter --workers 1 vs --workers 2 (Redis affinity, a session id
+      per connection) requests/s, with a lean client and a raw upstream (a few us of CPU per
+      request each) so that the router, not its neighbours, is what the 2 CPUs are busy with;
   (f) one placement decision at 8/100/1000 replicas (benchmarks/placement.py).
 
 Prints ratios to direct and writes everything as JSON.
@@ -136,7 +139,8 @@ async def measure(args: argparse.Namespace, targets: dict[str, str],
 
 
 def scaling(args: argparse.Namespace, upstream: str) -> dict[str, Any] | None:
-    """kvrouter --workers 1 vs 2 with Redis affinity, non-streaming C=16 with session ids."""
+    """kvrouter --workers 1 vs 2 with Redis affinity, non-streaming C=16, lean client (a session
+    id per connection) against the raw upstream: the router is the bottleneck."""
     try:
         sys.path.insert(0, str(HERE.parent))
         from tests.redis_server import RedisProcess
@@ -155,15 +159,16 @@ def scaling(args: argparse.Namespace, upstream: str) -> dict[str, Any] | None:
         cfg.write_text(json.dumps({"affinity": {"store": "redis", "redis_url": redis.url}}))
         ports = {"kvrouter-w1": free_port(), "kvrouter-w2": free_port()}
         with contextlib.ExitStack() as stack:
-            targets = {}
+            targets, pids = {}, {}
             for name, workers in (("kvrouter-w1", 1), ("kvrouter-w2", 2)):
-                stack.enter_context(process(
+                pids[name] = stack.enter_context(process(
                     kvrouter_cmd(upstream, ports[name], "--config", str(cfg), "--workers", str(workers)),
-                    ports[name], name))
+                    ports[name], name)).pid
                 targets[name] = f"http://127.0.0.1:{ports[name]}"
             targets = {"direct": upstream, **targets}
-            print("(e) kvrouter --workers 1 vs 2 (Redis affinity), non-streaming C=16 ...", flush=True)
-            return asyncio.run(sc.nonstreaming_rps(targets, 16, args.seconds, args.rounds, ["aiohttp"]))
+            print("(e) kvrouter --workers 1 vs 2 (Redis affinity), non-streaming C=16, lean client ...",
+                  flush=True)
+            return asyncio.run(sc.nonstreaming_rps(targets, 16, args.seconds, args.rounds, ["lean"], pids))
     finally:
         redis.kill()
 
@@ -215,10 +220,13 @@ def report(result: dict[str, Any], names: list[str]) -> None:
               f"{r['chunks_expected']} chunks, wall {r['wall_s']:.1f}s (ideal {r['ideal_wall_s']:.1f}s),"
               f" util {r['cpu_util']:.2f} cores")
     if result.get("workers_scaling"):
-        per = result["workers_scaling"]["aiohttp"]
-        base = per["direct"]["rps"]
-        print("\n(e) non-streaming C=16 requests/s, Redis affinity: " + "  ".join(
-            f"{n} {v['rps']:.0f} ({ratio(v['rps'], base):.2f}x)" for n, v in per.items()))
+        per = result["workers_scaling"]["lean"]
+        w1 = per["kvrouter-w1"]["rps"]
+        print("\n(e) non-streaming C=16 requests/s, Redis affinity, lean client, raw upstream: " + "  ".join(
+            f"{n} {v['rps']:.0f}" for n, v in per.items())
+              + f"; 2 workers / 1 worker = {ratio(per['kvrouter-w2']['rps'], w1):.2f}x")
+        print("    CPU us/request (router process tree): " + "  ".join(
+            f"{n} {per[n]['cpu_us_per_request'] or 0:.0f}" for n in ("kvrouter-w1", "kvrouter-w2")))
     if result.get("placement"):
         print("\n(f) placement, coding-agent: " + "; ".join(
             f"{r['replicas']} replicas p50 {r['policy_p50_us']:.0f} us p99 {r['policy_p99_us']:.0f} us "
@@ -263,6 +271,10 @@ def main() -> int:
         port = free_port()
         procs["kvrouter"] = stack.enter_context(process(kvrouter_cmd(upstream, port), port, "kvrouter"))
         targets["kvrouter"] = f"http://127.0.0.1:{port}"
+        port = free_port()
+        procs["tcp-pump"] = stack.enter_context(process(
+            [sys.executable, str(HERE / "tcp_pump.py"), str(port), upstream], port, "tcp-pump"))
+        targets["tcp-pump"] = f"http://127.0.0.1:{port}"
         for spec in args.external:
             name, _, template = spec.partition("=")
             port = free_port()
@@ -274,7 +286,7 @@ def main() -> int:
         result["targets"] = {n: " ".join(p.args) for n, p in procs.items()}  # type: ignore[arg-type]
         result.update(asyncio.run(measure(args, targets, pids)))
     if not args.no_scaling:
-        with process([sys.executable, str(HERE / "upstream.py"), str(up_port), "--server", args.upstream],
+        with process([sys.executable, str(HERE / "upstream.py"), str(up_port), "--server", "raw"],
                      up_port, "upstream"):
             result["workers_scaling"] = scaling(args, upstream)
     if not args.no_placement:

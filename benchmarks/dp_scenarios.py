@@ -229,12 +229,77 @@ async def _rps_httpx(url: str, concurrency: int, seconds: float,
         return done / (time.perf_counter() - start), done
 
 
+class _LeanClient(asyncio.Protocol):
+    """One keep-alive connection sending the same request again as soon as each answer ends:
+    callbacks only, responses parsed by httptools. A client this cheap leaves the CPU to the
+    router, which is what the --workers scaling section must load."""
+
+    def __init__(self, request: bytes, deadline: float, done: asyncio.Future[None]) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.request, self.deadline, self.done, self.count = request, deadline, done, 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        assert self.parser.get_status_code() == 200, self.parser.get_status_code()
+        self.count += 1
+        if time.perf_counter() < self.deadline:
+            self.transport.write(self.request)  # type: ignore[attr-defined]
+        elif not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+
+async def rps_lean(url: str, concurrency: int, seconds: float,
+                   on_start: Callable[[], None] = lambda: None) -> tuple[float, int]:
+    """Requests/s of `concurrency` lean keep-alive connections, each with its own session id."""
+    import orjson
+
+    host, port = url.removeprefix("http://").split(":")
+    body = orjson.dumps(CHAT)
+    loop = asyncio.get_running_loop()
+    requests = [(f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"X-Session-Id: bench-{i}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+                for i in range(concurrency)]
+    await rps_lean_run(loop, host, int(port), requests, 0.5)  # warm: connections, sessions
+    on_start()
+    start = time.perf_counter()
+    done = await rps_lean_run(loop, host, int(port), requests, seconds)
+    return done / (time.perf_counter() - start), done
+
+
+async def rps_lean_run(loop: asyncio.AbstractEventLoop, host: str, port: int, requests: list[bytes],
+                       seconds: float) -> int:
+    deadline = time.perf_counter() + seconds
+    clients = []
+    for request in requests:
+        _, client = await loop.create_connection(
+            lambda r=request: _LeanClient(r, deadline, loop.create_future()), host, port)
+        clients.append(client)
+    try:
+        await asyncio.gather(*(c.done for c in clients))
+    finally:
+        for c in clients:
+            c.transport.close()
+    return sum(c.count for c in clients)
+
+
 async def nonstreaming_rps(targets: dict[str, str], concurrency: int, seconds: float, rounds: int,
                            clients: Sequence[str], pids: dict[str, int] | None = None,
                            ) -> dict[str, dict[str, Any]]:
     """Requests/s per (client, target), ABBA-ordered runs; with `pids`, also the CPU each target's
     process tree spent per request (microseconds) over its runs."""
-    run = {"aiohttp": _rps_aiohttp, "httpx": _rps_httpx}
+    run = {"aiohttp": _rps_aiohttp, "httpx": _rps_httpx, "lean": rps_lean}
     rates: dict[str, dict[str, list[float]]] = {c: {t: [] for t in targets} for c in clients}
     cpu: dict[str, dict[str, list[float]]] = {c: {t: [0.0, 0.0] for t in targets} for c in clients}
     for r in range(rounds):

@@ -8,7 +8,10 @@ written, so a client on the same host can measure per-chunk delivery latency)
 Two HTTP stacks serve the same bytes:
 - `uvicorn` (default when installed): FastAPI on uvicorn with uvloop + httptools, SGLang's own
   HTTP stack (`ORJSONResponse` / `StreamingResponse`, `timeout_keep_alive=5`, as its http_server);
-- `aiohttp`: an aiohttp web app.
+- `aiohttp`: an aiohttp web app;
+- `raw`: non-streaming only, an asyncio protocol answering each request with prebuilt bytes.
+  It costs a fraction of the others' CPU, so a router in front of it is the bottleneck (the
+  --workers scaling section needs that on a 2-core machine).
 
 Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp]
 """
@@ -96,10 +99,48 @@ def fastapi_app():  # type: ignore[no-untyped-def]
     return app
 
 
+def _raw_response(status: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (status, len(body), body))
+
+
+async def raw_server(port: int) -> None:
+    import httptools
+
+    answers = {b"POST": _raw_response(b"200 OK", COMPLETION)}
+    health = _raw_response(b"200 OK", b"")
+    not_found = _raw_response(b"404 Not Found", b'{"detail":"Not Found"}')
+
+    class RawHTTP(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.url = b""
+
+        def on_url(self, url: bytes) -> None:
+            self.url = url
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_message_complete(self) -> None:
+            method = self.parser.get_method()
+            answer = answers.get(method) or (health if self.url == b"/health" else not_found)
+            self.transport.write(answer)  # type: ignore[attr-defined]
+            if not self.parser.should_keep_alive():
+                self.transport.close()
+
+    server = await asyncio.get_running_loop().create_server(RawHTTP, "127.0.0.1", port)
+    await server.serve_forever()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="SGLang-shaped benchmark upstream")
     parser.add_argument("port", type=int)
-    parser.add_argument("--server", choices=("uvicorn", "aiohttp"), default="aiohttp")
+    parser.add_argument("--server", choices=("uvicorn", "aiohttp", "raw"), default="aiohttp")
     args = parser.parse_args()
     if args.server == "uvicorn":
         import uvicorn
@@ -112,6 +153,9 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
+    if args.server == "raw":
+        asyncio.run(raw_server(args.port))
+        return
     from aiohttp import web
 
     web.run_app(aiohttp_app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
