@@ -185,7 +185,7 @@ class Relay:
         policy = self.engine.policy.name
         child = self.metrics.child
         m = self.metrics
-        path_qs = request.rel_url.path_qs
+        path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         recorded_home: str | None = None
         began = False  # the session's begin() is called once, on the first attempt
         for attempt in range(self.config.max_attempts):

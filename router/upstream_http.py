@@ -147,9 +147,9 @@ class _Connection(asyncio.Protocol):
     # -- one exchange -------------------------------------------------------------------------
     async def exchange(self, data: bytes, deadline: float) -> UpstreamResponse:
         assert self.transport is not None and self._response is None
+        self.received = 0
         if self.lost or self.transport.is_closing():
             raise UpstreamConnectError("replica closed the connection")
-        self.received = 0
         self._complete = False
         self._head = head = self.loop.create_future()
         self._timer = self.loop.call_at(deadline, self._time_out)
@@ -163,14 +163,18 @@ class _Connection(asyncio.Protocol):
             self._head = None
 
     def release(self) -> None:
-        """The response was read to its end: back to the pool if the replica keeps it open."""
+        """The response was read to its end: back to the pool if the replica keeps it open
+        (and read our whole request: one that answered early may take leftovers for the next)."""
         self._end_exchange()
-        if self.keep_alive and not self.lost and not self._paused:
+        if (self.keep_alive and not self.lost and not self._paused and self.transport is not None
+                and not self.transport.get_write_buffer_size()):
             self.pool.put_idle(self)
         else:
             self.abort()
 
     def abort(self) -> None:
+        why = "connection to the replica closed by the router"
+        self._fail(UpstreamConnectError(why), UpstreamBodyError(why))  # nobody waits forever
         self._end_exchange()
         self.lost = True
         if self.transport is not None:
@@ -209,6 +213,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.pool.opened(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -233,7 +238,8 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         self.pool.forget(self)
         response = self._response
-        if (response is not None and not self._complete and response.content_length is None
+        if (exc is None and response is not None and not self._complete
+                and response.content_length is None
                 and "chunked" not in response.headers.get("Transfer-Encoding", "").lower()):
             self._complete = True  # a body delimited by the connection's end is now complete
             response._finish()
@@ -243,6 +249,8 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks --------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self._complete:
+            self.keep_alive = False  # a second response nobody asked for: never reuse this one
         self._raw_headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -261,13 +269,15 @@ class _Connection(asyncio.Protocol):
         self._head.set_result(self._response)
 
     def on_body(self, body: bytes) -> None:
-        if self._response is not None and not self._informational:
+        if self._response is not None and not self._informational and not self._complete:
             self._response._feed(body)
 
     def on_message_complete(self) -> None:
         if self._informational:
             self._informational = False
             return
+        if self._complete:
+            return  # the end of an unasked-for response (see on_message_begin)
         self._complete = True
         if self._timer is not None:
             self._timer.cancel()
@@ -302,9 +312,10 @@ class UpstreamPool:
         parsed = self._bases.get(base_url)
         if parsed is None:
             url = URL(base_url)
-            assert url.host is not None and url.port is not None, base_url
-            host = url.host if url.is_default_port() else f"{url.host}:{url.port}"
-            parsed = ((url.scheme, url.host, url.port), host, url.raw_path.rstrip("/"))
+            assert url.raw_host is not None and url.port is not None, base_url
+            name = f"[{url.raw_host}]" if ":" in url.raw_host else url.raw_host  # IPv6; IDNA encoded
+            host = name if url.is_default_port() else f"{name}:{url.port}"
+            parsed = ((url.scheme, url.raw_host, url.port), host, url.raw_path.rstrip("/"))
             self._bases[base_url] = parsed
         return parsed
 
@@ -332,7 +343,8 @@ class UpstreamPool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < IDLE_KEEPALIVE_S:
+            if (not conn.lost and now - conn.idle_since < IDLE_KEEPALIVE_S
+                    and conn.transport is not None and not conn.transport.is_closing()):
                 return conn
             conn.abort()
             self._open.discard(conn)
@@ -345,17 +357,23 @@ class UpstreamPool:
         scheme, host, port = key
         context = None
         if scheme == "https":
-            context = self._ssl or ssl.create_default_context()
+            if self._ssl is None:  # built once: each build reads the trust store (~20 ms)
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
         conn = _Connection(self, key, loop)
         timeout = min(self.connect_timeout_s, max(0.0, deadline - loop.time()))
         try:
             async with asyncio.timeout(timeout):
                 await loop.create_connection(lambda: conn, host, port, ssl=context,
                                              server_hostname=host if context else None)
+        except TimeoutError:
+            raise  # an OSError too, but reported as a timeout
         except OSError as err:  # refused, unreachable, DNS, TLS failures (ssl.SSLError is one)
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {err}") from err
-        self._open.add(conn)
         return conn
+
+    def opened(self, conn: _Connection) -> None:
+        self._open.add(conn)
 
     def put_idle(self, conn: _Connection) -> None:
         if self._closed:

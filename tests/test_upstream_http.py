@@ -292,3 +292,117 @@ async def test_nodelay_on_replica_connections(start_app) -> None:
         resp.close()
     finally:
         await pool.close()
+
+
+async def test_the_query_reaches_the_replica_as_the_client_encoded_it(start_app, start_router) -> None:
+    seen: list[str] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(request.raw_path)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    router, url = await start_router([await start_app(app)], signals={"source": "health", "interval_s": 60})
+    import aiohttp
+    from yarl import URL
+
+    async with aiohttp.ClientSession() as client:
+        for query in ("a=b%20c", "d=%0d%0aX-Evil:1", "e=%23%3F%C3%A9"):
+            target = URL(url + "/v1/chat/completions?" + query, encoded=True)
+            async with client.post(target, json={"model": "m", "messages": []}) as resp:
+                assert resp.status == 200, await resp.text()
+    assert seen == ["/v1/chat/completions?" + q for q in ("a=b%20c", "d=%0d%0aX-Evil:1", "e=%23%3F%C3%A9")]
+
+
+async def test_closing_the_pool_ends_a_waiting_reader(raw_server) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool(2, 30)
+    resp = await pool.request("POST", await raw_server(handler), "/", JSON, b"{}")
+    assert await resp.readany() == b"abc"
+    waiting = asyncio.create_task(resp.readany())
+    await asyncio.sleep(0.05)
+    await pool.close()
+    with pytest.raises(UpstreamBodyError):
+        await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_reset_ends_a_close_delimited_body_with_an_error(raw_server) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\npartial-")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        writer.transport.abort()  # RST, not FIN: the body did not end, it broke
+
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", await raw_server(handler), "/", JSON, b"{}")
+        assert await resp.readany() == b"partial-"
+        with pytest.raises(UpstreamBodyError):
+            await resp.readany()
+        resp.close()
+    finally:
+        await pool.close()
+
+
+async def test_bytes_after_the_response_are_not_body_and_end_the_connection(raw_server) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+                     b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool(2, 10)
+    try:
+        resp = await pool.request("POST", await raw_server(handler), "/", JSON, b"{}")
+        assert await resp.read() == b"hello"
+        resp.close()
+        await asyncio.sleep(0.05)
+        assert pool.connections() == []  # not pooled: it is out of step with the replica
+    finally:
+        await pool.close()
+
+
+def test_host_header_of_ipv6_and_default_ports() -> None:
+    pool = UpstreamPool(2, 10)
+    assert pool._base("http://[::1]:8000")[1] == "[::1]:8000"
+    assert pool._base("https://replica.example/prefix")[1:] == ("replica.example", "/prefix")
+    assert pool._base("http://127.0.0.1:80")[1] == "127.0.0.1"
+
+
+async def test_https_replica(tmp_path) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    runner = web.AppRunner(echo_app([]))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    pool = UpstreamPool(2, 10, ssl_context=client_ctx)
+    try:
+        url = f"https://127.0.0.1:{runner.addresses[0][1]}"
+        for body in (b"one", b"two"):
+            resp = await pool.request("POST", url, "/x", JSON, body)
+            assert resp.status == 200 and await resp.read() == body
+            resp.close()
+        assert len(pool.connections()) == 1
+        with pytest.raises(UpstreamConnectError):  # the system trust store does not know the CA
+            await UpstreamPool(2, 10).request("POST", url, "/x", JSON, b"{}")
+    finally:
+        await pool.close()
+        await runner.cleanup()
