@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..policies.base import SessionView
+from .redis_pipe import PipelinedRedis, Script
 from .sessions import SessionTable
 
 log = logging.getLogger("kvrouter.affinity")
@@ -148,10 +149,7 @@ class RedisAffinityStore:
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[str], None] | None = None,
         password: str | None = None,
-        max_connections: int = 32,
     ) -> None:
-        import redis.asyncio as aioredis
-
         self.table = table
         self.local = MemoryAffinityStore(table, clock)
         self.router_id = uuid.uuid4().hex[:12]
@@ -169,19 +167,10 @@ class RedisAffinityStore:
         self._to_release: dict[str, int] = {}  # decrements not sent yet (the flusher's next batch)
         self._flusher: asyncio.Task[None] | None = None  # sends them, one batch per round trip
         self._closed = False
-        # A blocking pool: redis-py's default pool fails a call outright once 100 are in flight,
-        # which a burst of new requests reaches; waiting (bounded by op_timeout_s) is better.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=op_timeout_s,
-            socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
-            retry_on_timeout=False, health_check_interval=0,
-            **({"password": password} if password else {}),
-        )
-        self.redis = aioredis.Redis.from_pool(pool)
-        self._get = self.redis.register_script(_GET)
-        self._claim = self.redis.register_script(_CLAIM)
-        self._end = self.redis.register_script(_END)
-        self._beat = self.redis.register_script(_HEARTBEAT)
+        # One pipelined connection: calls from all requests share it (router/redis_pipe.py).
+        self.redis = PipelinedRedis(url, timeout=op_timeout_s, password=password or None)
+        self._get, self._claim = Script(_GET), Script(_CLAIM)
+        self._end, self._beat = Script(_END), Script(_HEARTBEAT)
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def _key(self, session: str) -> str:
@@ -212,7 +201,7 @@ class RedisAffinityStore:
             return None
         try:
             args: list[object] = [self.lease_ms, self.ttl_s] + ([self.router_id] if count else [])
-            home, total = await self._get(keys=[self._key(key), self._routers_key], args=args)
+            home, total = await self.redis.evalsha(self._get, [self._key(key), self._routers_key], args)
             self._ok()
         except Exception as err:  # any Redis failure degrades, never fails a request
             self._failed(op, err)
@@ -251,7 +240,7 @@ class RedisAffinityStore:
         if home is None or not (force or key in self._homeless) or not self._usable():
             return local_home
         try:
-            shared = await self._claim(keys=[self._key(key)], args=[self.ttl_s, home, int(force)])
+            shared = await self.redis.evalsha(self._claim, [self._key(key)], [self.ttl_s, home, int(force)])
             self._ok()
         except Exception as err:
             self._failed("begin", err)
@@ -308,7 +297,7 @@ class RedisAffinityStore:
             self._flusher = None
 
     async def _send_end(self, counts: dict[str, int]) -> None:
-        await self._end(keys=[self._key(k) for k in counts], args=[self.router_id, *counts.values()])
+        await self.redis.evalsha(self._end, [self._key(k) for k in counts], [self.router_id, *counts.values()])
 
     async def settle(self) -> None:
         """Wait until every release so far has reached Redis (or failed)."""
@@ -329,14 +318,14 @@ class RedisAffinityStore:
         if not self._usable():
             return
         try:
-            await self.redis.hset(self._key(key), "home", home)
+            await self.redis.execute(b"HSET", self._key(key), b"home", home)
             self._ok()
         except Exception as err:
             self._failed("move", err)
 
     async def _heartbeat(self) -> None:
         try:
-            await self._beat(keys=[self._routers_key], args=[self.router_id, self.lease_ms])
+            await self.redis.evalsha(self._beat, [self._routers_key], [self.router_id, self.lease_ms])
             self._ok()
             await self._release_pending()
         except Exception as err:

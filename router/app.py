@@ -109,7 +109,6 @@ class Router:
             op_timeout_s=a.op_timeout_s, retry_after_s=a.retry_after_s, clock=self.clock,
             on_error=lambda op: self.metrics.affinity_errors.labels(op).inc(),
             password=os.environ.get(a.password_env) if a.password_env else None,
-            max_connections=a.max_connections,
         )
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:

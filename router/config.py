@@ -178,10 +178,6 @@ class AffinityConfig(_Strict):
     lease_s: float = Field(10.0, gt=0, description="A router's in-flight counts expire this long after its last heartbeat.")
     op_timeout_s: float = Field(0.25, gt=0, description="Timeout of one Redis operation.")
     retry_after_s: float = Field(1.0, gt=0, description="After a Redis failure, local state only for this long.")
-    max_connections: int = Field(
-        32, ge=1, le=10000, description="Redis connections per router process; a call finding all "
-        "busy waits for one up to op_timeout_s (a burst queues instead of failing over to local state).",
-    )
 
 
 class PolicyConfig(_Strict):
