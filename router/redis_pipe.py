@@ -35,7 +35,7 @@ def _encode(arg: object) -> bytes:
         return arg
     if isinstance(arg, str):
         return arg.encode()
-    if isinstance(arg, (int, float)):
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return repr(arg).encode()
     raise TypeError(f"cannot send {type(arg).__name__} to Redis")
 
@@ -55,13 +55,23 @@ class _Resp(asyncio.Protocol):
         self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.loop = asyncio.get_running_loop()
+        self.silent_since = 0.0  # the last byte received, or the oldest waiting call's send
+        self.said: str | None = None  # what the server said unasked (e.g. max clients reached)
 
     def send(self, args: tuple[object, ...]) -> asyncio.Future[Any]:
-        assert self.transport is not None
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.closed or self.transport is None:
+            raise RedisConnectionError(self.why_closed(None))
+        data = pack(args)  # first: a bad argument must not leave a waiter without a reply
+        future: asyncio.Future[Any] = self.loop.create_future()
+        if not self.waiters:
+            self.silent_since = self.loop.time()
         self.waiters.append(future)
-        self.transport.write(pack(args))
+        self.transport.write(data)
         return future
+
+    def why_closed(self, exc: Exception | None) -> str:
+        return f"redis connection lost: {self.said or exc or 'closed'}"
 
     def abort(self) -> None:
         self.closed = True
@@ -72,9 +82,14 @@ class _Resp(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.silent_since = self.loop.time()
         self.reader.feed(data)
         try:
             while (reply := self.reader.gets()) is not False:
+                if not self.waiters:  # a reply nobody asked for: keep what it said, then close
+                    self.said = str(reply)
+                    self.abort()
+                    return
                 waiter = self.waiters.popleft()  # a call whose caller gave up still owns its reply
                 if waiter.done():
                     continue
@@ -82,12 +97,13 @@ class _Resp(asyncio.Protocol):
                     waiter.set_exception(reply)
                 else:
                     waiter.set_result(reply)
-        except (hiredis.ProtocolError, IndexError):  # garbage, or a reply nobody asked for
+        except hiredis.ProtocolError:
+            self.said = "garbled reply"
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        error = RedisConnectionError(f"redis connection lost: {exc or 'closed by server'}")
+        error = RedisConnectionError(self.why_closed(exc))
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -102,17 +118,21 @@ class Script:
 
 class PipelinedRedis:
     """Calls from many tasks share one connection, (re)opened on demand. A call that times out
-    closes the connection (its reply could no longer be told apart), failing the calls
-    outstanding on it; the next call reconnects."""
+    or is cancelled leaves its reply to be skipped when it comes, so the others keep theirs
+    (Redis may still run them). Only a connection that has answered nothing for `dead_after`
+    while calls wait is dropped (failing those calls); the next call reconnects."""
 
     def __init__(self, url: str, *, timeout: float, password: str | None = None) -> None:
         params = parse_url(url)
         kind = params.pop("connection_class", None)
         self.timeout = timeout
+        self.dead_after = max(1.0, 4 * timeout)
         self._db = int(params.get("db") or 0)
         self._username = params.get("username")
         self._password = password if password is not None else params.get("password")
         self._path: str | None = params.get("path") if kind is UnixDomainSocketConnection else None
+        if kind is UnixDomainSocketConnection and not self._path:
+            raise ValueError(f"redis URL {url!r} names no socket path")
         self._host = params.get("host", "localhost")
         self._port = int(params.get("port", 6379))
         self._ssl = None
@@ -125,8 +145,7 @@ class PipelinedRedis:
 
     async def execute(self, *args: object) -> Any:
         """Send one command and return its reply. Raises RedisError, RedisConnectionError or
-        TimeoutError (connecting and answering together take at most `timeout`). A caller that
-        is cancelled leaves the connection as it is: its reply, when it comes, is skipped."""
+        TimeoutError (connecting and answering together take at most `timeout`)."""
         conn = self._conn
         try:
             async with asyncio.timeout(self.timeout):
@@ -134,8 +153,9 @@ class PipelinedRedis:
                     conn = await self._connection()
                 return await conn.send(args)
         except TimeoutError:
-            if conn is not None:
-                conn.abort()  # a server that stopped answering: the next call reconnects
+            if (conn is not None and conn.waiters
+                    and conn.loop.time() - conn.silent_since >= self.dead_after):
+                conn.abort()  # answered nothing for that long: the next call reconnects
             raise
 
     async def evalsha(self, script: Script, keys: list[str], args: list[object]) -> Any:
@@ -152,7 +172,13 @@ class PipelinedRedis:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)
-        return await asyncio.shield(self._connecting)  # one caller's timeout must not abort others'
+        try:
+            return await asyncio.shield(self._connecting)  # one caller's timeout must not abort others'
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this caller is cancelled (or timed out)
+            raise RedisConnectionError("redis client closed while connecting") from None
 
     def _connected(self, task: asyncio.Task[_Resp]) -> None:
         self._connecting = None

@@ -55,18 +55,81 @@ async def test_a_cancelled_call_keeps_replies_in_step(redis_server) -> None:
         await r.aclose()
 
 
-async def test_a_stalled_server_times_out_then_the_next_call_reconnects(redis_server) -> None:
-    r = PipelinedRedis(redis_server.url, timeout=0.3)
+async def test_a_stall_fails_only_the_calls_that_outwait_it(redis_server) -> None:
+    """A call that times out does not take the others down with it: one sent later, whose own
+    deadline outlasts the stall, gets its reply (the late one is skipped, not mismatched)."""
+    r = PipelinedRedis(redis_server.url, timeout=0.4)
     try:
         assert await r.execute(b"PING") == b"PONG"
         redis_server.pause()
-        with pytest.raises(TimeoutError):
-            await r.execute(b"PING")
+        early = asyncio.create_task(r.execute(b"INCR", "stall"))
+        await asyncio.sleep(0.25)
+        later = asyncio.create_task(r.execute(b"INCR", "stall"))
+        await asyncio.sleep(0.25)  # `early` has timed out by now
         redis_server.resume()
-        assert await r.execute(b"PING") == b"PONG"
+        with pytest.raises(TimeoutError):
+            await early
+        assert await later == 2  # Redis ran both, in order; the reply to `early` was skipped
+        assert await r.execute(b"ECHO", "in step") == b"in step"
     finally:
         redis_server.resume()
         await r.aclose()
+
+
+async def test_a_connection_silent_for_dead_after_is_dropped(redis_server) -> None:
+    r = PipelinedRedis(redis_server.url, timeout=0.2)
+    r.dead_after = 0.5
+    try:
+        assert await r.execute(b"PING") == b"PONG"
+        first = r._conn
+        redis_server.pause()
+        for _ in range(4):  # 0.8 s of calls timing out: past dead_after the connection goes
+            with pytest.raises(TimeoutError):
+                await r.execute(b"PING")
+        assert first is not None and first.closed
+        redis_server.resume()
+        assert await r.execute(b"PING") == b"PONG"  # a new connection
+        assert r._conn is not first
+    finally:
+        redis_server.resume()
+        await r.aclose()
+
+
+async def test_a_bad_argument_leaves_no_call_without_its_reply(redis_server) -> None:
+    r = PipelinedRedis(redis_server.url, timeout=5)
+    try:
+        await r.execute(b"MSET", "a", "A", "b", "B")
+        for bad in (None, True):
+            with pytest.raises(TypeError):
+                await r.execute(b"SET", "x", bad)
+        assert await asyncio.gather(r.execute(b"GET", "a"), r.execute(b"GET", "b")) == [b"A", b"B"]
+    finally:
+        await r.aclose()
+
+
+async def test_a_refusing_server_is_reported_at_once_not_after_the_timeout(redis_server) -> None:
+    admin = PipelinedRedis(redis_server.url, timeout=5)
+    r = PipelinedRedis(redis_server.url, timeout=30)
+    try:
+        await admin.execute(b"CONFIG", "SET", "maxclients", "1")
+        with pytest.raises((RedisConnectionError, RedisError), match="max"):
+            await r.execute(b"PING")  # a 30 s timeout: a hang would fail the test's own timeout
+    finally:
+        await admin.execute(b"CONFIG", "SET", "maxclients", "10000")
+        await admin.aclose(), await r.aclose()
+
+
+async def test_closing_while_connecting_is_a_connection_error(redis_server) -> None:
+    r = PipelinedRedis(redis_server.url.rsplit("/", 1)[0] + "/3", timeout=5)  # SELECT on connect
+    redis_server.pause()  # the TCP handshake completes (kernel backlog), SELECT never answers
+    try:
+        call = asyncio.create_task(r.execute(b"PING"))
+        await asyncio.sleep(0.2)
+        await r.aclose()
+        with pytest.raises(RedisConnectionError):
+            await call
+    finally:
+        redis_server.resume()
 
 
 async def test_a_killed_server_fails_calls_then_a_restarted_one_serves(redis_server) -> None:
