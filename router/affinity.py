@@ -73,7 +73,20 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
-# Decrements sent in one _END call at most (one Redis command however many requests ended).
+# This router's own count of each session, set outright (after a call whose outcome is unknown).
+_SET_COUNTS = """
+for i, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[i + 2])
+  if n > 0 then
+    redis.call('HSET', key, 'r:' .. ARGV[1], n)
+    redis.call('EXPIRE', key, ARGV[2])
+  else
+    redis.call('HDEL', key, 'r:' .. ARGV[1])
+  end
+end
+return #KEYS
+"""
+# Decrements (or counts set) in one call at most (one Redis command however many requests ended).
 _END_BATCH = 256
 
 _HEARTBEAT = """
@@ -162,7 +175,11 @@ class RedisAffinityStore:
         self.degraded = False
         self._down_until = 0.0
         self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
-        self._unreleased: dict[str, int] = {}  # decrements that failed, retried on heartbeat
+        # Sessions whose count in Redis is unknown: a call counting or releasing one of their
+        # requests failed after it may have run. The heartbeat sets them outright (_reconcile).
+        self._uncertain: set[str] = set()
+        self._reading: dict[str, int] = {}  # sessions with an acquire whose reply is pending
+        self._releasing: set[str] = set()  # sessions in the release batch on the wire
         self._homeless: set[str] = set()  # sessions Redis had no home for at their last acquire
         self._to_release: dict[str, int] = {}  # decrements not sent yet (the flusher's next batch)
         self._flusher: asyncio.Task[None] | None = None  # sends them, one batch per round trip
@@ -171,6 +188,7 @@ class RedisAffinityStore:
         self.redis = PipelinedRedis(url, timeout=op_timeout_s, password=password or None)
         self._get, self._claim = Script(_GET), Script(_CLAIM)
         self._end, self._beat = Script(_END), Script(_HEARTBEAT)
+        self._set_counts = Script(_SET_COUNTS)
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def _key(self, session: str) -> str:
@@ -199,13 +217,22 @@ class RedisAffinityStore:
         """The session from Redis (None if Redis failed); `count`: also count this request."""
         if not self._usable():
             return None
+        if count:
+            self._reading[key] = self._reading.get(key, 0) + 1
         try:
             args: list[object] = [self.lease_ms, self.ttl_s] + ([self.router_id] if count else [])
             home, total = await self.redis.evalsha(self._get, [self._key(key), self._routers_key], args)
             self._ok()
         except Exception as err:  # any Redis failure degrades, never fails a request
             self._failed(op, err)
+            if count:
+                self._uncertain.add(key)  # the script may have run: Redis may count it
             return None
+        finally:
+            if count:
+                left = self._reading.pop(key) - 1
+                if left:
+                    self._reading[key] = left
         home = home.decode() if isinstance(home, bytes) else None
         if home is not None:
             self.table.touch(key, self.clock(), home=home)
@@ -284,15 +311,17 @@ class RedisAffinityStore:
                 batch = dict(itertools.islice(self._to_release.items(), _END_BATCH))
                 for key in batch:
                     del self._to_release[key]
+                self._releasing.update(batch)
                 try:
                     await self._send_end(batch)
                     self._ok()
                 except Exception as err:
                     self._failed("end", err)
-                    # Redis still counts them: give them back once Redis answers again
-                    # (heartbeat), or the sessions would look busier than they are.
-                    for key, n in batch.items():
-                        self._unreleased[key] = self._unreleased.get(key, 0) + n
+                    # Redis may or may not have applied them: the heartbeat sets these
+                    # sessions' counts outright once Redis answers again.
+                    self._uncertain.update(batch)
+                finally:
+                    self._releasing.difference_update(batch)
         finally:
             self._flusher = None
 
@@ -304,14 +333,22 @@ class RedisAffinityStore:
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
 
-    async def _release_pending(self) -> None:
-        while self._unreleased:
-            batch = dict(itertools.islice(self._unreleased.items(), _END_BATCH))
-            await self._send_end(batch)
-            for key, sent in batch.items():  # more may have failed meanwhile: keep those
-                left = self._unreleased.pop(key, 0) - sent
-                if left > 0:
-                    self._unreleased[key] = left
+    async def _reconcile(self) -> None:
+        """Set this router's count of each uncertain session to what it knows: the requests
+        Redis counted for it that have not ended. Calls run on Redis in the order they were
+        sent (one connection), so anything sent earlier is overridden, and anything later
+        applies on top; sessions with an acquire reply or a release batch still on the way
+        wait for the next heartbeat (their outcome would change what this router knows)."""
+        ready = [k for k in self._uncertain if k not in self._reading and k not in self._releasing]
+        for start in range(0, len(ready), _END_BATCH):
+            batch = ready[start:start + _END_BATCH]
+            for key in batch:
+                self._to_release.pop(key, None)  # included: the count below has these ends
+            counts = [self._acquired.get(key, 0) for key in batch]
+            # If this call fails, the sessions stay uncertain and are set again next time.
+            await self.redis.evalsha(self._set_counts, [self._key(k) for k in batch],
+                                     [self.router_id, self.ttl_s, *counts])
+            self._uncertain.difference_update(batch)
 
     async def move(self, key: str, home: str) -> None:
         await self.local.move(key, home)
@@ -327,7 +364,7 @@ class RedisAffinityStore:
         try:
             await self.redis.evalsha(self._beat, [self._routers_key], [self.router_id, self.lease_ms])
             self._ok()
-            await self._release_pending()
+            await self._reconcile()
         except Exception as err:
             self._failed("heartbeat", err)
 

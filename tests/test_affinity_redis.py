@@ -156,6 +156,49 @@ async def test_releases_ending_together_share_one_command(redis_server):
         await s.close(), await other.close()
 
 
+async def test_counts_of_calls_with_unknown_outcome_are_set_right_by_the_heartbeat(redis_server):
+    """Redis stalls longer than op_timeout_s: an acquire times out but Redis runs it afterwards
+    (counted there, not here), and a release times out but runs too. The next heartbeat sets
+    this router's count of each such session to what it knows, so nothing stays leaked or is
+    released twice."""
+    import redis.asyncio as aioredis
+
+    s = store(redis_server.url, op_timeout_s=0.3)
+    observer = aioredis.Redis.from_url(redis_server.url)
+    await s.start()
+    field = "r:" + s.router_id
+
+    async def count(key: str) -> int:
+        return int(await observer.hget(f"t:s:{key}", field) or 0)
+
+    try:
+        await request(s, "warm", "http://r1")
+        await s.end("warm")  # every script loaded: a stalled call runs once Redis resumes
+        await s.settle()
+        await request(s, "two", "http://r1"), await request(s, "two", "http://r1")
+        await request(s, "one", "http://r1")
+        redis_server.pause()
+        timed_out = asyncio.create_task(s.acquire("late"))  # runs on Redis after its timeout
+        await s.end("one")  # the release is sent into the stall too
+        await s.settle()
+        await timed_out
+        assert s.degraded and s._uncertain == {"late", "one"}
+        redis_server.resume()
+        await asyncio.sleep(0.1)  # the stalled calls run now
+        assert [await count(k) for k in ("two", "one", "late")] == [2, 0, 1]  # "late": leaked
+        await s._heartbeat()
+        assert [await count(k) for k in ("two", "one", "late")] == [2, 0, 0]
+        assert not s._uncertain
+        await s.end("late")  # the request itself ends (counted locally only): nothing to send
+        await s.end("two")
+        await s.settle()
+        assert [await count(k) for k in ("two", "one", "late")] == [1, 0, 0]
+    finally:
+        redis_server.resume()
+        await observer.aclose()
+        await s.close()
+
+
 async def test_redis_round_trips_per_request(start_app, start_router, redis_server):
     """Through a live router: a session's first request makes 3 Redis calls (acquire, claim
     the home, release), every later one 2 (acquire, release), the release after the response."""
