@@ -9,7 +9,10 @@ update is one Lua script (atomic). If Redis fails, requests keep flowing on the 
 
 A request makes one round trip before its routing decision (`acquire`: read the session and
 count the request), one more only when it gives the session its first home or a new one
-(`begin`), and releases its count after the response, off the request's path (`end`).
+(`begin`), and releases its count after the response, off the request's path (`end`), batched
+with the other releases of that moment. All calls share one pipelined connection
+(`redis_pipe.py`), so Redis runs them in the order they were sent. A call that fails may still
+have run: the sessions it touched get this router's count set outright on the next heartbeat.
 """
 
 from __future__ import annotations
