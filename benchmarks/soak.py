@@ -7,12 +7,14 @@ runs `--concurrency` closed-loop clients for `--duration` seconds: streaming cha
 chats and clients that leave mid-stream. Every `--fault-every` seconds one fault is injected, in
 rotation: a replica SIGKILLed and restarted on its port; a replica removed and re-added through
 the admin API; a replica drained through the admin API and re-added; a replica SIGSTOPped (accepts,
-never answers) for a few seconds. Router RSS and open fds are sampled from /proc every
+never answers) for a few seconds; with `--redis` (Redis affinity, a local Redis-protocol server),
+also Redis SIGSTOPped for 2 s, longer than the store's op timeout. Router RSS and open fds are sampled from /proc every
 `--sample-every` seconds. Accounting is exact: every request sent is classified once as ok, clean
 error (OpenAI-shaped error status, or SSE error event + [DONE]), left on purpose by the client,
 broken (truncated/reset without a clean error) or hung (no end within --request-timeout);
 `lost = broken + hung` must be 0. At the end the router is SIGTERMed (exit code reported) and every
-surviving replica's running count must be back to 0.
+surviving replica's running count must be back to 0, and with `--redis` no in-flight count may
+be left in Redis (a leaked count makes a session look busier to every router).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Soak:
         self.faults: list[dict[str, Any]] = []
         self.replicas = [Replica(workdir, i, args.time_scale) for i in range(args.replicas)]
         self.stopping = False
+        self.redis: Any = None
 
     # -- one request ---------------------------------------------------------------------------
     async def one(self, client: aiohttp.ClientSession, worker: int, n: int) -> str:
@@ -152,9 +155,14 @@ class Soak:
 
     async def fault(self, client: aiohttp.ClientSession, i: int) -> None:
         rep = self.replicas[i % len(self.replicas)]
-        kind = ("sigkill", "remove_readd", "drain_readd", "sigstop")[i % 4]
+        kinds = ("sigkill", "remove_readd", "drain_readd", "sigstop") + (("redis_stall",) if self.redis else ())
+        kind = kinds[i % len(kinds)]
         started = time.monotonic() - self.t0
-        if kind == "sigkill":
+        if kind == "redis_stall":
+            self.redis.pause()
+            await asyncio.sleep(2)
+            self.redis.resume()
+        elif kind == "sigkill":
             rep.kill()
             await asyncio.sleep(5)
             rep.start()
@@ -177,7 +185,8 @@ class Soak:
             rep.signal(signal.SIGSTOP)
             await asyncio.sleep(3)
             rep.signal(signal.SIGCONT)
-        self.faults.append({"t_s": round(started, 1), "fault": kind, "replica": rep.url})
+        self.faults.append({"t_s": round(started, 1), "fault": kind,
+                            "replica": None if kind == "redis_stall" else rep.url})
 
     async def faults_loop(self, client: aiohttp.ClientSession) -> None:
         i = 0
@@ -197,6 +206,35 @@ class Soak:
                 return
             await asyncio.sleep(self.args.sample_every)
 
+    async def affinity_errors(self, client: aiohttp.ClientSession) -> dict[str, float]:
+        """kvrouter_affinity_store_errors_total by operation, from the router's /metrics."""
+        async with client.get(self.url + "/metrics") as resp:
+            text = await resp.text()
+        errors: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("kvrouter_affinity_store_errors_total{"):
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                errors[op] = errors.get(op, 0) + float(line.rsplit(" ", 1)[1])
+        return errors
+
+    async def redis_counts(self) -> dict[str, Any]:
+        """In-flight counts left in Redis once nothing is in flight (after a heartbeat, which sets
+        right the sessions a failed call left uncertain)."""
+        import redis.asyncio as aioredis
+
+        await asyncio.sleep(2.5)  # > lease_s / 3: one more heartbeat
+        r = aioredis.Redis.from_url(self.redis.url)
+        try:
+            total = sessions = nonzero = 0
+            async for key in r.scan_iter(match="kvrouter:s:*", count=1000):
+                sessions += 1
+                counts = [int(v) for f, v in (await r.hgetall(key)).items() if f.startswith(b"r:")]
+                total += sum(counts)
+                nonzero += any(counts)
+            return {"sessions": sessions, "sessions_with_counts": nonzero, "total_count": total}
+        finally:
+            await r.aclose()
+
     # -- run --------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         a = self.args
@@ -212,6 +250,13 @@ class Soak:
             "upstream": {"total_timeout_s": 20, "connect_timeout_s": 1.0},
             "admin": {"port": admin_port},
         }
+        if a.redis:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.redis_server import RedisProcess
+
+            self.redis = RedisProcess(self.workdir)
+            self.redis.start()
+            config["affinity"] = {"store": "redis", "redis_url": self.redis.url, "lease_s": 3.0}
         cfg = self.workdir / "router.yaml"
         cfg.write_text(yaml.safe_dump(config))
         router_log = open(self.workdir / "router.log", "w")
@@ -249,11 +294,16 @@ class Soak:
                 except aiohttp.ClientError:
                     running[r.url] = None
             await sampler
+            redis_counts = await self.redis_counts() if self.redis else None
+            if redis_counts is not None:  # how many of the store's calls failed (and were settled)
+                redis_counts["failed_calls"] = await self.affinity_errors(client)
         elapsed = time.monotonic() - self.t0
         self.router.send_signal(signal.SIGTERM)
         code = self.router.wait(60)
         for r in self.replicas:
             r.kill()
+        if self.redis:
+            self.redis.kill()
         lost = self.outcomes["broken"] + self.outcomes["hung"]
         accounted = sum(self.outcomes.values())
         return {
@@ -261,6 +311,7 @@ class Soak:
             "sent": self.sent, "outcomes": dict(self.outcomes), "kinds": dict(self.kinds),
             "accounted": accounted, "balanced": accounted == self.sent, "lost": lost,
             "router_exit_code": code, "replica_running_after": running,
+            "redis_counts_after": redis_counts,
             "faults": self.faults, "samples": self.samples,
         }
 
@@ -286,6 +337,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"after SIGTERM: **{report['router_exit_code']}**. Replica running+waiting after the run: "
         f"{list(report['replica_running_after'].values())}.",
         "",
+    ]
+    if report.get("redis_counts_after") is not None:
+        c = report["redis_counts_after"]
+        lines += [f"Redis affinity: {c['sessions']} sessions in Redis at the end; in-flight counts left "
+                  f"there with nothing in flight: **{c['total_count']}** "
+                  f"({c['sessions_with_counts']} sessions). Store calls that failed during the run "
+                  f"(timed out or refused), by operation: {c.get('failed_calls')}.", ""]
+    lines += [
         f"Router RSS: min {min(rss):.1f} MiB, max {max(rss):.1f} MiB; after warm-up (t>=60 s) "
         f"{first_rss:.1f} -> {last_rss:.1f} MiB at the end. Open fds: min {min(fds)}, max {max(fds)}, "
         f"median {statistics.median(fds):.0f}, last {fds[-1]}.",
@@ -310,6 +369,7 @@ def main() -> int:
     p.add_argument("--sample-every", type=float, default=15.0)
     p.add_argument("--request-timeout", type=float, default=60.0, help="a request not ended by then is 'hung'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis", action="store_true", help="Redis affinity, and Redis stalls among the faults")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--markdown", help="write the markdown summary here")
     args = p.parse_args()
