@@ -58,17 +58,16 @@ async def test_a_cancelled_call_keeps_replies_in_step(redis_server) -> None:
 async def test_a_stall_fails_only_the_calls_that_outwait_it(redis_server) -> None:
     """A call that times out does not take the others down with it: one sent later, whose own
     deadline outlasts the stall, gets its reply (the late one is skipped, not mismatched)."""
-    r = PipelinedRedis(redis_server.url, timeout=0.4)
+    r = PipelinedRedis(redis_server.url, timeout=1.0)
     try:
         assert await r.execute(b"PING") == b"PONG"
         redis_server.pause()
         early = asyncio.create_task(r.execute(b"INCR", "stall"))
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.5)
         later = asyncio.create_task(r.execute(b"INCR", "stall"))
-        await asyncio.sleep(0.25)  # `early` has timed out by now
-        redis_server.resume()
         with pytest.raises(TimeoutError):
             await early
+        redis_server.resume()  # `later` still has ~0.5 s of its own deadline
         assert await later == 2  # Redis ran both, in order; the reply to `early` was skipped
         assert await r.execute(b"ECHO", "in step") == b"in step"
     finally:
