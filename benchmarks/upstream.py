@@ -5,7 +5,7 @@ POST /v1/chat/completions answers a small JSON body, or with "stream": true, `ma
 written, so a client on the same host can measure per-chunk delivery latency)
 `metadata.interval_ms` apart, then `data: [DONE]`.
 
-Two HTTP stacks serve the same bytes:
+Three HTTP stacks serve the same bytes:
 - `uvicorn` (default when installed): FastAPI on uvicorn with uvloop + httptools, SGLang's own
   HTTP stack (`ORJSONResponse` / `StreamingResponse`, `timeout_keep_alive=5`, as its http_server);
 - `aiohttp`: an aiohttp web app;
@@ -13,7 +13,7 @@ Two HTTP stacks serve the same bytes:
   It costs a fraction of the others' CPU, so a router in front of it is the bottleneck (the
   --workers scaling section needs that on a 2-core machine).
 
-Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp]
+Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp|raw]
 """
 
 
@@ -107,7 +107,7 @@ def _raw_response(status: bytes, body: bytes) -> bytes:
 async def raw_server(port: int) -> None:
     import httptools
 
-    answers = {b"POST": _raw_response(b"200 OK", COMPLETION)}
+    completion = _raw_response(b"200 OK", COMPLETION)
     health = _raw_response(b"200 OK", b"")
     not_found = _raw_response(b"404 Not Found", b'{"detail":"Not Found"}')
 
@@ -127,8 +127,10 @@ async def raw_server(port: int) -> None:
                 self.transport.close()
 
         def on_message_complete(self) -> None:
-            method = self.parser.get_method()
-            answer = answers.get(method) or (health if self.url == b"/health" else not_found)
+            if self.parser.get_method() == b"POST":
+                answer = completion
+            else:
+                answer = health if self.url == b"/health" else not_found
             self.transport.write(answer)  # type: ignore[attr-defined]
             if not self.parser.should_keep_alive():
                 self.transport.close()
