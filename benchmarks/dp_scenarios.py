@@ -11,7 +11,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -184,49 +184,46 @@ async def paced_streams(targets: dict[str, str], concurrency: int, chunks: int, 
 
 
 # -- (c) non-streaming requests/s at C=16 ---------------------------------------------------------
+async def _closed_loop(one: Callable[[], Awaitable[None]], concurrency: int, seconds: float,
+                       on_start: Callable[[], None]) -> tuple[float, int]:
+    """`concurrency` workers, each sending one request after another until `seconds` are up:
+    (requests/s, requests done)."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await one()
+            done += 1
+    on_start()
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.perf_counter() - start), done
+
+
 async def _rps_aiohttp(url: str, concurrency: int, seconds: float,
                       on_start: Callable[[], None] = lambda: None) -> tuple[float, int]:
-    done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def warm() -> None:
+        async def one() -> None:
             async with session.post(url + CHAT_PATH, json=CHAT) as resp:
                 await resp.read()
-        await asyncio.gather(*(warm() for _ in range(concurrency)))
-        deadline = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                async with session.post(url + CHAT_PATH, json=CHAT) as resp:
-                    await resp.read()
-                    assert resp.status == 200, resp.status
-                done += 1
-        on_start()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start), done
+                assert resp.status == 200, resp.status
+        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm the connections
+        return await _closed_loop(one, concurrency, seconds, on_start)
 
 
 async def _rps_httpx(url: str, concurrency: int, seconds: float,
                     on_start: Callable[[], None] = lambda: None) -> tuple[float, int]:
     import httpx
 
-    done = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-        await asyncio.gather(*(client.post(url + CHAT_PATH, json=CHAT) for _ in range(concurrency)))
-        deadline = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                resp = await client.post(url + CHAT_PATH, json=CHAT)
-                assert resp.status_code == 200, resp.status_code
-                done += 1
-        on_start()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start), done
+        async def one() -> None:
+            resp = await client.post(url + CHAT_PATH, json=CHAT)
+            assert resp.status_code == 200, resp.status_code
+        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm the connections
+        return await _closed_loop(one, concurrency, seconds, on_start)
 
 
 class _LeanClient(asyncio.Protocol):

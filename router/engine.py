@@ -151,6 +151,8 @@ class RoutingEngine:
             return []
         demand = {v.id: v.homed_tokens for v in views}
         moves = self._fill_fresh(views, demand, now, min_fresh_age_s, max_moves)
+        if not kv_pressure:
+            return moves
         moved = {m.session for m in moves}
         sessions = {v.id: v.homed_sessions for v in views}
         for m in moves:
@@ -160,8 +162,6 @@ class RoutingEngine:
         default_capacity = self._policy_param(
             "cost", "default_capacity_tokens", default=self.default_capacity_tokens
         )
-        if not kv_pressure:
-            return moves
         full = {v.id: float(v.max_total_num_tokens or default_capacity) for v in views}
         capacity = {v.id: fill * full[v.id] for v in views}
         for hot in sorted(views, key=lambda v: -demand[v.id] / full[v.id]):

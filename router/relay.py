@@ -32,14 +32,6 @@ _RETRYABLE = (UpstreamConnectError, asyncio.TimeoutError)
 _BROKEN_BODY = (UpstreamBodyError, asyncio.TimeoutError)
 
 
-class UpstreamBroken(Exception):
-    """The replica failed after the response started; `kind` says how."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 
@@ -48,12 +40,6 @@ def _last_event_end(data: bytes | bytearray) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-def _broken(err: BaseException) -> UpstreamBroken:
-    """Upstream read failures become `UpstreamBroken`, so they are never confused with the
-    client going away while we write."""
-    return UpstreamBroken("timeout" if isinstance(err, asyncio.TimeoutError) else "midstream")
 
 
 class _Response(web.StreamResponse):
@@ -327,10 +313,7 @@ class Relay:
         readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
         try:
-            try:
-                chunk = await readany()
-            except _BROKEN_BODY as err:
-                raise _broken(err) from err
+            chunk = await readany()
             self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
             while chunk:
                 if not sse:
@@ -348,13 +331,12 @@ class Relay:
                         tail = bytearray(chunk[k:])
                     else:
                         tail += chunk
-                try:
-                    chunk = await readany()
-                except _BROKEN_BODY as err:
-                    raise _broken(err) from err
-        except UpstreamBroken as err:
-            self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
-            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream ({err.kind})")
+                chunk = await readany()
+        except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
+            # client that went away raise ConnectionResetError, which propagates)
+            kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "midstream"
+            self.metrics.child(self.metrics.upstream_errors, url, kind).inc()
+            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream ({kind})")
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or not self._was_cut(task):

@@ -27,9 +27,7 @@ _READ_HIGH_WATER = 1 << 20
 
 
 class UpstreamError(Exception):
-    """The exchange with the replica failed; `kind` is a metrics label."""
-
-    kind = "connect"
+    """The exchange with the replica failed."""
 
 
 class UpstreamConnectError(UpstreamError):
@@ -38,8 +36,6 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamBodyError(UpstreamError):
     """The response started, then the replica broke off before its end."""
-
-    kind = "midstream"
 
 
 class UpstreamResponse:
