@@ -268,10 +268,8 @@ class ClusterSimulator:
         url = decision.replica
         # The same home bookkeeping as the live relay (router/relay.py).
         home = self.table.begin(session.session_id, decision.home or url,
-                                force=decision.home is not None and view.home not in (None, decision.home),
-                                tokens=prompt, now=self.now)
-        usable = self.registry.view(home) if home is not None else None
-        if decision.home is not None and home != url and usable is not None and usable.healthy:
+                                force=decision.replaces_home(view.home), tokens=prompt, now=self.now)
+        if decision.home is not None and home not in (None, url) and self.registry.healthy(home):
             url = home
         self.decisions[decision.reason] += 1
         self.engine.dispatched(url, summary)

@@ -148,6 +148,11 @@ class Decision:
     # The session's home after this request, when the decision (re)assigns it; None = unchanged.
     home: str | None = None
 
+    def replaces_home(self, current: str | None) -> bool:
+        """Names a home other than the session's `current` one (a rehome, or a fallback away
+        from an unusable home). A brand-new session's first home replaces nothing."""
+        return self.home is not None and current not in (None, self.home)
+
 
 class Policy(Protocol):
     """One synchronous call shape for every policy; `None` means no replica can take the request."""

@@ -352,8 +352,7 @@ class Router:
                 if target is None:  # never an outbound request to a URL a client made up
                     return error_response(400, "target worker is not a known replica",
                                           "invalid_request_error", rid_header)
-                view = self.registry.view(target)
-                if view is None or not view.healthy:
+                if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
         summary = summarize(route, parsed, request.headers, self.config.routing, self._exact_blocks)

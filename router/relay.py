@@ -193,14 +193,13 @@ class Relay:
                 # do not assign homes too, so sessions per replica can be counted for every policy).
                 # A decision that names a new home replaces an old one (rehome, or a fallback away
                 # from an unusable home); a brand-new session's home goes to the first writer.
-                old_home = session.home if session is not None else None
                 home = await self.affinity.begin(
                     key, decision.home or (url if target is None else None),
-                    force=decision.home is not None and old_home not in (None, decision.home),
+                    force=decision.replaces_home(session.home if session is not None else None),
                     tokens=summary.prompt_tokens,
                 )
                 recorded_home = home
-                if decision.home is not None and home not in (None, url) and self._usable(home):
+                if decision.home is not None and home not in (None, url) and self.registry.healthy(home):
                     url = home  # another request or router set this session's home first
             elif key is not None and decision.home is not None and decision.home != recorded_home:
                 # A retry placed the session elsewhere: its KV will live there, so its home too.
@@ -248,10 +247,6 @@ class Relay:
             "service_unavailable",
             headers={"Retry-After": "1", REQUEST_ID: request_id},
         )
-
-    def _usable(self, replica: str) -> bool:
-        view = self.registry.view(replica)
-        return view is not None and view.healthy
 
     async def _relay(
         self,

@@ -75,6 +75,11 @@ class ReplicaRegistry:
     def view(self, url: str) -> ReplicaView | None:
         return self._views.get(url)
 
+    def healthy(self, url: str) -> bool:
+        """Known and healthy: a replica a request may go to."""
+        view = self._views.get(url)
+        return view is not None and view.healthy
+
     def __contains__(self, url: object) -> bool:
         return url in self._views
 
