@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from dp_scenarios import pct  # benchmarks/ is on sys.path: this runs as a script
+
 from kvrouter.metrics.sglang import ReplicaSignals
-from kvrouter.policies.base import RequestSummary
+from kvrouter.policies.base import RequestSummary, SessionView
 from kvrouter.policies.registry import build_policy
 from kvrouter.router.engine import RoutingEngine
 from kvrouter.router.kv_index import ShadowKVIndex
@@ -40,7 +42,7 @@ def build(n: int, policy: str, rng: random.Random) -> tuple[RoutingEngine, list[
             token_usage=rng.random() * 0.8, max_total_num_tokens=444_672))
         for s in range(3):  # three warm sessions per replica
             key = f"s{i}-{s}"
-            blocks = tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+            blocks = random_prompt(rng)
             engine.index.record(url, blocks)
             table.begin(key, url, force=False, tokens=PROMPT_TOKENS, now=0)
             table.release(key, 0)
@@ -48,9 +50,21 @@ def build(n: int, policy: str, rng: random.Random) -> tuple[RoutingEngine, list[
     return engine, sessions
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def random_prompt(rng: random.Random) -> tuple[int, ...]:
+    """The block hashes of a new 100k-token prompt nobody has seen."""
+    return tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+
+
+def timed_step(engine: RoutingEngine, key: str, blocks: tuple[int, ...],
+               ) -> tuple[float, RequestSummary, SessionView | None]:
+    """The router's whole synchronous step for one request: (microseconds, the summary with the
+    index match filled in, the session view it was given)."""
+    summary = RequestSummary("/v1/chat/completions", session_key=key,
+                             prompt_tokens=PROMPT_TOKENS, prefix_blocks=blocks)
+    view = engine.table.view(key)
+    t0 = time.perf_counter()
+    _, filled = engine.decide(summary, view)
+    return (time.perf_counter() - t0) * 1e6, filled, view
 
 
 def measure(n: int, policy: str, decisions: int, repeats: int) -> dict[str, float]:
@@ -67,13 +81,9 @@ def measure(n: int, policy: str, decisions: int, repeats: int) -> dict[str, floa
             if i % 2:  # a returning session (affinity path) ...
                 key, blocks = sessions[rng.randrange(len(sessions))]
             else:  # ... or a new one (cost placement over the fleet)
-                key, blocks = f"new-{rng.getrandbits(64)}", tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
-            summary = RequestSummary("/v1/chat/completions", session_key=key,
-                                     prompt_tokens=PROMPT_TOKENS, prefix_blocks=blocks)
-            view = engine.table.view(key)
-            t0 = clock()
-            _, filled = engine.decide(summary, view)
-            engine_us.append((clock() - t0) * 1e6)
+                key, blocks = f"new-{rng.getrandbits(64)}", random_prompt(rng)
+            us, filled, view = timed_step(engine, key, blocks)
+            engine_us.append(us)
             snapshot = engine.registry.snapshot()  # exactly what the engine hands the policy
             snapshot = snapshot.with_session(view) if view is not None else snapshot
             t0 = clock()
@@ -136,8 +146,7 @@ def allocation_probe(blocks_of_work: int = 30, per_block: int = 400) -> dict[str
     objects right before the step costs it on this machine, not work the step does."""
     rng = random.Random(9)
     engine, sessions = build(1000, "coding-agent", rng)
-    prebuilt = [tuple(rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS)) for _ in range(200)]
-    clock = time.perf_counter
+    prebuilt = [random_prompt(rng) for _ in range(200)]
     times: dict[str, list[float]] = {"fresh": [], "prebuilt": []}
     for _ in range(blocks_of_work):
         for mode, out in times.items():
@@ -145,16 +154,10 @@ def allocation_probe(blocks_of_work: int = 30, per_block: int = 400) -> dict[str
                 if i % 2:
                     key, blocks = sessions[rng.randrange(len(sessions))]
                 elif mode == "fresh":
-                    key, blocks = f"new-{rng.getrandbits(64)}", tuple(
-                        rng.getrandbits(63) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS))
+                    key, blocks = f"new-{rng.getrandbits(64)}", random_prompt(rng)
                 else:
                     key, blocks = f"new-{rng.getrandbits(64)}", prebuilt[i % len(prebuilt)]
-                summary = RequestSummary("/v1/chat/completions", session_key=key,
-                                         prompt_tokens=PROMPT_TOKENS, prefix_blocks=blocks)
-                view = engine.table.view(key)
-                t0 = clock()
-                engine.decide(summary, view)
-                out.append((clock() - t0) * 1e6)
+                out.append(timed_step(engine, key, blocks)[0])
     return {"fresh_p50_us": pct(times["fresh"], 0.5), "fresh_p99_us": pct(times["fresh"], 0.99),
             "prebuilt_p50_us": pct(times["prebuilt"], 0.5), "prebuilt_p99_us": pct(times["prebuilt"], 0.99)}
 
