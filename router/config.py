@@ -71,9 +71,49 @@ class ServerConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout per attempt.")
+    """Only connect failures (and 502/503 before any byte) are retried and count against a
+    replica's health; a replica that took the request and then timed out is neither: it may still
+    be working on it, and re-running a long generation elsewhere would double its cost."""
+
+    # A replica on the same network accepts in milliseconds, even when busy (queueing happens after
+    # the request is read): 2 s only ever expires on a dead or unreachable host.
+    connect_timeout_s: float = Field(
+        2.0, gt=0, description="TCP (and TLS) connect timeout per attempt. A connect timeout is "
+        "retried on another replica and counts as a replica failure.",
+    )
+    # Streams get their headers at once; a non-streaming answer sends them only after the whole
+    # generation: queueing behind a busy replica (minutes), a cold 100k-token prefill (seconds to
+    # tens of seconds) and the decode (~8k tokens at 20-50 tok/s under batching: 3-7 minutes).
+    # 600 s covers that; longer non-streaming generations need a higher value (or streaming).
+    header_timeout_s: float = Field(
+        600.0, gt=0, description="From the request sent to the response headers. Non-streaming "
+        "responses send headers only when the generation ends, so this must allow queueing, a long "
+        "prefill and a whole decode (600 s: e.g. 2 minutes queued, then ~8k tokens at 20 tok/s). "
+        "On expiry: 504, not retried, the replica is not marked down.",
+    )
+    # The longest silence of a healthy stream is its first event: queueing behind other requests
+    # plus the prefill of a 100k-token prompt (~5 s cold on one replica, several of them queued
+    # ahead on a busy one). Between tokens the gaps are tens of milliseconds.
+    idle_timeout_s: float = Field(
+        120.0, gt=0, description="Longest gap between response body bytes (counted from the headers). "
+        "The longest healthy gap is a stream's first token: queueing plus a 100k-token prefill "
+        "(~5 s cold), so 120 s leaves room for a queue of such prefills. On expiry an "
+        "SSE stream ends with an error event and [DONE]; not retried, the replica is not marked down.",
+    )
+    # A cap, not a hang detector (idle_timeout_s is): ~32k output tokens at ~20 tok/s is ~27 min.
     total_timeout_s: float = Field(
-        1800.0, gt=0, description="Whole upstream exchange, streaming included."
+        1800.0, gt=0, description="Whole upstream exchange, streaming included: a cap for runaway "
+        "generations (~32k tokens at 20 tok/s fits). Handled like idle_timeout_s (before the "
+        "headers: 504).",
+    )
+    # An SSE event is a few hundred bytes (a token delta) to a few hundred KiB (SGLang's /generate
+    # stream repeats the whole text so far; logprobs add more): 4 MiB is far above any real event,
+    # yet bounds what one upstream that never ends an event can make the router hold.
+    max_sse_event_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest incomplete SSE event the relay holds back "
+        "(it forwards whole events only): real events are bytes to a few hundred KiB (/generate "
+        "repeats the text so far), so 4 MiB only stops an upstream that never ends an event. Past "
+        "it the stream ends with an SSE error event.",
     )
     max_attempts: int = Field(
         3, ge=1, le=10, description="Replicas tried before any byte reaches the client."

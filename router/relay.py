@@ -1,7 +1,10 @@
 """Move bytes: send one request to the replica a policy picked, relay its response as it arrives.
 
-Retries happen only before the first byte reaches the client. After that, an upstream failure
-ends an SSE stream with one clean error event at an event boundary (never half a JSON line).
+Retries happen only before the first byte reaches the client, and only when the replica never
+got the request (connect failures) or refused it (502/503). A replica that got it and then timed
+out is not retried: it may still be working, and a long generation would run twice. After the
+first byte, an upstream failure or timeout ends an SSE stream with one clean error event at an
+event boundary (never half a JSON line).
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from .config import UpstreamConfig
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
-from .upstream_http import UpstreamBodyError, UpstreamConnectError, UpstreamPool, UpstreamResponse
+from .upstream_http import (
+    UpstreamBodyError,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
 REPLICA_HEADER = "x-kvrouter-replica"
 WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
-_RETRYABLE = (UpstreamConnectError, asyncio.TimeoutError)
-_BROKEN_BODY = (UpstreamBodyError, asyncio.TimeoutError)
+_BROKEN_BODY = (UpstreamBodyError, UpstreamTimeout)
 
 
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
@@ -78,7 +87,9 @@ class Relay:
         self.config = config
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None  # control plane: polls, /v1/models
-        self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s)  # requests
+        self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s,  # requests
+                                 header_timeout_s=config.header_timeout_s,
+                                 idle_timeout_s=config.idle_timeout_s)
         self._active: set[asyncio.Task[object]] = set()  # handlers forwarding a request now
         self._cut: set[asyncio.Task[object]] = set()  # of those, the ones cut_requests cancelled
         self._cut_reason = ""
@@ -214,13 +225,16 @@ class Relay:
                 sent = self.clock()
                 try:
                     upstream = await self.pool.request(request.method, url, path_qs, headers, body)
-                except _RETRYABLE as err:
+                except UpstreamConnectError as err:  # the replica never got the request
                     self.registry.record_failure(url)
-                    kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "connect"
+                    kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
                     child(m.upstream_errors, url, kind).inc()
                     child(m.retries, kind).inc()
                     last_problem = f"replica {url} unreachable ({kind})"
                     continue
+                except UpstreamTimeout as err:  # it got it and may still be working: no retry
+                    child(m.upstream_errors, url, err.kind).inc()
+                    return self._timeout_response(url, err, request_id)
                 self.registry.record_success(url)
                 last_try = attempt + 1 >= self.config.max_attempts
                 if upstream.status in self.config.retry_statuses and not last_try:
@@ -268,7 +282,10 @@ class Relay:
             if not sse and length is not None and length <= _BUFFER_LIMIT:
                 try:
                     payload = await upstream.read()
-                except _BROKEN_BODY:
+                except UpstreamTimeout as err:
+                    self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
+                    return self._timeout_response(url, err, request_id)
+                except UpstreamBodyError:
                     self.metrics.child(self.metrics.upstream_errors, url, "body").inc()
                     return error_response(
                         502, f"replica {url} failed while sending its response", "upstream_error",
@@ -279,6 +296,12 @@ class Relay:
             return await self._stream(request, upstream, url, headers, sse, sent)
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
+
+    @staticmethod
+    def _timeout_response(url: str, err: UpstreamTimeout, request_id: str) -> web.Response:
+        """504 for a replica that timed out before the client got a byte (never retried)."""
+        return error_response(504, f"replica {url} timed out: {err}", "upstream_error",
+                              headers={REQUEST_ID: request_id})
 
     @staticmethod
     async def _end_with_error(
@@ -307,6 +330,7 @@ class Relay:
         write = response.write
         readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
+        max_tail = self.config.max_sse_event_bytes
         try:
             chunk = await readany()
             self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
@@ -326,12 +350,19 @@ class Relay:
                         tail = bytearray(chunk[k:])
                     else:
                         tail += chunk
+                    if len(tail) > max_tail:  # an event that never ends must not grow memory
+                        self.metrics.child(self.metrics.upstream_errors, url, "sse_event_too_large").inc()
+                        return await self._end_with_error(
+                            request, response, sse, f"replica {url} sent an SSE event larger than "
+                            f"upstream.max_sse_event_bytes ({max_tail} bytes)")
                 chunk = await readany()
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
-            kind = "timeout" if isinstance(err, asyncio.TimeoutError) else "midstream"
-            self.metrics.child(self.metrics.upstream_errors, url, kind).inc()
-            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream ({kind})")
+            if isinstance(err, UpstreamTimeout):
+                self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
+                return await self._end_with_error(request, response, sse, f"replica {url} timed out: {err}", 504)
+            self.metrics.child(self.metrics.upstream_errors, url, "midstream").inc()
+            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream (midstream)")
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or not self._was_cut(task):

@@ -8,6 +8,11 @@ needs none of that. Control-plane calls (polls, /v1/models) keep using aiohttp.
 
 Only what the relay sends is supported: requests with a complete body (Content-Length), no
 HEAD, no upgrades. Responses may use Content-Length, chunked encoding or end at close.
+
+Timeouts: connect (UpstreamConnectTimeout, safe to retry), then per exchange one timer for the
+headers (header and total deadlines) and the body (idle gap between bytes, total deadline).
+data_received only records the time of the last byte; the timer checks it when it fires and
+sleeps again until the next deadline, so streaming costs no timer work per chunk.
 """
 
 from __future__ import annotations
@@ -34,8 +39,23 @@ class UpstreamConnectError(UpstreamError):
     """No response started: refused, reset, closed early or garbled. Safe to try elsewhere."""
 
 
+class UpstreamConnectTimeout(UpstreamConnectError, TimeoutError):
+    """The connection was not established in time: nothing was sent. Safe to try elsewhere."""
+
+
 class UpstreamBodyError(UpstreamError):
     """The response started, then the replica broke off before its end."""
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """The replica has the request but missed a deadline: `kind` is "header_timeout" (no headers
+    in time), "idle_timeout" (a gap between body bytes too long) or "total_timeout" (the whole
+    exchange). Not safe to retry: the replica may still be working on it. The connection is
+    aborted, so the replica stops."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class UpstreamResponse:
@@ -137,18 +157,30 @@ class _Connection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._complete = False  # the current response's last byte has arrived
         self._informational = False  # parsing a 1xx response, which precedes the real one
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the exchange's deadline check
+        self._clock = loop.time
+        self._last_byte = 0.0  # loop time the last byte (or the request) went by
+        self._head_at = 0.0  # the headers are due by then (header or total deadline)
+        self._total_at = 0.0  # the whole exchange is due by then
         self._paused = False
 
     # -- one exchange -------------------------------------------------------------------------
     async def exchange(self, data: bytes, deadline: float) -> UpstreamResponse:
+        """Send `data`; return once the response headers arrive. `deadline` (loop time) ends the
+        whole exchange; the pool's header and idle timeouts count from now."""
         assert self.transport is not None and self._response is None
         self.received = 0
         if self.lost or self.transport.is_closing():
             raise UpstreamConnectError("replica closed the connection")
         self._complete = False
         self._head = head = self.loop.create_future()
-        self._timer = self.loop.call_at(deadline, self._time_out)
+        now = self._last_byte = self._clock()
+        self._total_at = deadline
+        self._head_at = min(now + self.pool.header_timeout_s, deadline)
+        # The first check comes no later than any deadline the body could have (they all count
+        # from a later byte), so the timer is never re-armed when the headers come quickly.
+        self._timer = self.loop.call_at(min(self._head_at, now + self.pool.idle_timeout_s),
+                                        self._check_deadlines)
         self.transport.write(data)
         try:
             return await head
@@ -190,6 +222,7 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         if self._paused and self.transport is not None and not self.lost:
             self._paused = False
+            self._last_byte = self._clock()  # the silence while paused was ours, not the replica's
             self.transport.resume_reading()
 
     def _fail(self, head_error: BaseException, body_error: BaseException) -> None:
@@ -199,12 +232,34 @@ class _Connection(asyncio.Protocol):
         elif self._response is not None and not self._complete:
             self._response._finish(body_error)
 
-    def _time_out(self) -> None:
+    def _check_deadlines(self) -> None:
+        """The exchange's one timer: time it out if a deadline has passed, else sleep until the
+        next one (bytes that came meanwhile moved the idle deadline on)."""
         self._timer = None
-        self._fail(asyncio.TimeoutError(), asyncio.TimeoutError())
+        now = self._clock()
+        if self._response is None:  # waiting for the headers
+            if now >= self._head_at:
+                self._time_out("total_timeout" if self._head_at >= self._total_at else "header_timeout")
+                return
+            due = self._head_at
+        else:
+            if now >= self._total_at:
+                self._time_out("total_timeout")
+                return
+            # While reading is paused (the client reads slowly) the replica cannot be idle.
+            idle_at = (now if self._paused else self._last_byte) + self.pool.idle_timeout_s
+            if now >= idle_at:
+                self._time_out("idle_timeout")
+                return
+            due = min(idle_at, self._total_at)
+        self._timer = self.loop.call_at(due, self._check_deadlines)
+
+    def _time_out(self, kind: str) -> None:
+        error = UpstreamTimeout(kind, self.pool.timeout_message(kind))
+        self._fail(error, error)
         self.lost = True
         if self.transport is not None:
-            self.transport.abort()
+            self.transport.abort()  # the replica sees the disconnect and aborts the request
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -220,6 +275,7 @@ class _Connection(asyncio.Protocol):
             self.pool.forget(self)
             return
         self.received += len(data)
+        self._last_byte = self._clock()
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:  # 101: never asked for
@@ -262,6 +318,10 @@ class _Connection(asyncio.Protocol):
         )
         self.keep_alive = self.parser.should_keep_alive()
         self._response = UpstreamResponse(self, status, headers)
+        idle_at = self._last_byte + self.pool.idle_timeout_s
+        if self._timer is not None and self._timer.when() > idle_at:  # slow headers: check sooner
+            self._timer.cancel()
+            self._timer = self.loop.call_at(min(idle_at, self._total_at), self._check_deadlines)
         self._head.set_result(self._response)
 
     def on_body(self, body: bytes) -> None:
@@ -291,12 +351,16 @@ def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str], b
 
 
 class UpstreamPool:
-    """Keep-alive connections per (scheme, host, port); unlimited, reused most-recent first."""
+    """Keep-alive connections per (scheme, host, port); unlimited, reused most-recent first.
+    `header_timeout_s` and `idle_timeout_s` default to the total (no tighter limit)."""
 
     def __init__(self, connect_timeout_s: float, total_timeout_s: float,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, *,
+                 header_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
+        self.header_timeout_s = total_timeout_s if header_timeout_s is None else header_timeout_s
+        self.idle_timeout_s = total_timeout_s if idle_timeout_s is None else idle_timeout_s
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
@@ -315,10 +379,18 @@ class UpstreamPool:
             self._bases[base_url] = parsed
         return parsed
 
+    def timeout_message(self, kind: str) -> str:
+        if kind == "header_timeout":
+            return f"no response headers within upstream.header_timeout_s ({self.header_timeout_s:g} s)"
+        if kind == "idle_timeout":
+            return f"no response bytes for upstream.idle_timeout_s ({self.idle_timeout_s:g} s)"
+        return f"exchange not finished within upstream.total_timeout_s ({self.total_timeout_s:g} s)"
+
     async def request(self, method: str, base_url: str, path_qs: str,
                       headers: CIMultiDict[str], body: bytes) -> UpstreamResponse:
         """Send one request to the replica at `base_url`; return once its headers have arrived.
-        Raises UpstreamConnectError, or asyncio.TimeoutError (connect or total timeout)."""
+        Raises UpstreamConnectError (UpstreamConnectTimeout among them: nothing was sent), or
+        UpstreamTimeout (header or total timeout: the replica has the request)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.total_timeout_s
         key, host, prefix = self._base(base_url)
@@ -362,8 +434,9 @@ class UpstreamPool:
             async with asyncio.timeout(timeout):
                 await loop.create_connection(lambda: conn, host, port, ssl=context,
                                              server_hostname=host if context else None)
-        except TimeoutError:
-            raise  # an OSError too, but reported as a timeout
+        except TimeoutError:  # an OSError too, but reported as a timeout
+            raise UpstreamConnectTimeout(
+                f"cannot connect to {host}:{port} within {timeout:g} s (upstream.connect_timeout_s)") from None
         except OSError as err:  # refused, unreachable, DNS, TLS failures (ssl.SSLError is one)
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {err}") from err
         return conn

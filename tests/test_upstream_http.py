@@ -15,6 +15,7 @@ from kvrouter.router.upstream_http import (
     UpstreamBodyError,
     UpstreamConnectError,
     UpstreamPool,
+    UpstreamTimeout,
 )
 
 JSON = CIMultiDict({"Content-Type": "application/json"})
@@ -213,6 +214,112 @@ async def test_total_timeout_before_headers_and_in_the_body(raw_server) -> None:
         assert pool.connections() == []
     finally:
         hang.set()
+        await pool.close()
+
+
+async def test_header_idle_and_total_timeouts_are_told_apart(raw_server) -> None:
+    """Each missed deadline raises UpstreamTimeout with its kind and closes the connection."""
+    hang = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await hang.wait()
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while not hang.is_set():  # never idle, never done
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+
+    quick_headers = UpstreamPool(2, 30, header_timeout_s=0.3, idle_timeout_s=0.3)
+    short_total = UpstreamPool(2, 0.5, header_timeout_s=30, idle_timeout_s=30)
+    try:
+        with pytest.raises(UpstreamTimeout) as err:
+            await quick_headers.request("POST", await raw_server(silent), "/", JSON, b"{}")
+        assert err.value.kind == "header_timeout"
+        resp = await quick_headers.request("POST", await raw_server(chunk_then_wait), "/", JSON, b"{}")
+        assert await resp.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout) as err:
+            await resp.readany()
+        assert err.value.kind == "idle_timeout"
+        resp.close()
+        with pytest.raises(UpstreamTimeout) as err:
+            await short_total.request("POST", await raw_server(silent), "/", JSON, b"{}")
+        assert err.value.kind == "total_timeout"
+        resp = await short_total.request("POST", await raw_server(endless), "/", JSON, b"{}")
+        with pytest.raises(UpstreamTimeout) as err:
+            await asyncio.wait_for(resp.read(), 10)
+        assert err.value.kind == "total_timeout"
+        resp.close()
+        assert quick_headers.connections() == [] and short_total.connections() == []
+    finally:
+        hang.set()
+        await quick_headers.close()
+        await short_total.close()
+
+
+async def test_a_slow_but_steady_body_outlives_the_idle_timeout(raw_server) -> None:
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n")
+        for _ in range(12):
+            await asyncio.sleep(0.1)
+            writer.write(b"x")
+            await writer.drain()
+
+    pool = UpstreamPool(2, 30, header_timeout_s=5, idle_timeout_s=0.5)
+    try:
+        resp = await pool.request("POST", await raw_server(drip), "/", JSON, b"{}")
+        assert await asyncio.wait_for(resp.read(), 20) == b"x" * 12
+        resp.close()
+    finally:
+        await pool.close()
+
+
+async def test_idle_timeout_counts_from_late_headers(raw_server) -> None:
+    """Headers that took longer than the idle timeout (a long queue): a body that then stalls
+    still times out one idle timeout later, not at the far later header deadline."""
+    async def late_then_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(0.6)
+        writer.write(CHUNK_ABC)
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool(2, 600, header_timeout_s=120, idle_timeout_s=0.3)
+    try:
+        resp = await pool.request("POST", await raw_server(late_then_silent), "/", JSON, b"{}")
+        assert await resp.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout) as err:
+            await asyncio.wait_for(resp.readany(), 10)  # bounded far below the header deadline
+        assert err.value.kind == "idle_timeout"
+        resp.close()
+    finally:
+        await pool.close()
+
+
+async def test_a_reader_paused_by_back_pressure_is_not_idle(start_app) -> None:
+    """While the relay's client reads slowly, reading from the replica is paused: that silence
+    is the router's own and must not time the replica out."""
+    piece = b"x" * 65536
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):  # 4 MiB: far above the 1 MiB high-water mark
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    pool = UpstreamPool(2, 30, header_timeout_s=5, idle_timeout_s=0.3)
+    try:
+        resp = await pool.request("POST", await start_app(one_route("/big", big)), "/big", JSON, b"{}")
+        await asyncio.sleep(0.8)  # not reading: the socket is paused for longer than idle_timeout_s
+        assert len(await resp.read()) == 64 * len(piece)
+        resp.close()
+    finally:
         await pool.close()
 
 
