@@ -362,7 +362,7 @@ class Relay:
                 self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
                 return await self._end_with_error(request, response, sse, f"replica {url} timed out: {err}", 504)
             self.metrics.child(self.metrics.upstream_errors, url, "midstream").inc()
-            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream (midstream)")
+            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream")
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or not self._was_cut(task):
