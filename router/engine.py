@@ -94,14 +94,12 @@ class RoutingEngine:
         session: SessionView | None,
         target: str | None = None,
         *,
-        tried: frozenset[str] = frozenset(),
-        began: bool = False,
-        claimed_home: str | None = None,
+        retry_of: Placement | None = None,
     ) -> Placement | None:
         """Decide and reserve the replica's in-flight slot, with no await in between: the next
         decision sees this one. `target` (a validated routing hint) bypasses the policy. None if
-        no replica can take the request. `tried`, `began`, `claimed_home`: a retry's state
-        (see `Placement.retry`)."""
+        no replica can take the request. `retry_of`: the request's previous placement (see
+        `Placement.retry`)."""
         if target is not None:
             decision: Decision | None = Decision(target, "target_hint")
         else:
@@ -111,8 +109,7 @@ class RoutingEngine:
         if self.metrics is not None:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()
-        return Placement(self, summary, session, decision, target=target, tried=tried,
-                         began=began, claimed_home=claimed_home)
+        return Placement(self, summary, session, decision, target=target, retry_of=retry_of)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def load_stats(self) -> tuple[float, float, float]:

@@ -68,9 +68,7 @@ class Placement:
         decision: Decision,
         *,
         target: str | None = None,
-        tried: frozenset[str] = frozenset(),
-        began: bool = False,
-        claimed_home: str | None = None,
+        retry_of: Placement | None = None,
     ) -> None:
         self.engine = engine
         self.summary = summary  # with the KV-index match filled in
@@ -78,9 +76,14 @@ class Placement:
         self.decision = decision
         self.url = decision.replica  # where the request goes (confirm_home may change it)
         self.target = target  # a routing hint: one attempt, no policy
-        self.tried = tried  # replicas earlier attempts of this request went to
-        self._began = began  # the session's home was claimed by an earlier attempt
-        self._claimed_home = claimed_home  # the home that claim left in the store
+        # Replicas earlier attempts of this request went to; whether one of them claimed the
+        # session's home already, and the home that claim left in the store.
+        self.tried: frozenset[str] = frozenset()
+        self._began = False
+        self._claimed_home: str | None = None
+        if retry_of is not None:
+            self.tried = retry_of.tried | {retry_of.url}
+            self._began, self._claimed_home = retry_of._began, retry_of._claimed_home
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
@@ -193,7 +196,5 @@ class Placement:
         self.done()
         if self.target is not None:
             return None
-        tried = self.tried | {self.url}
-        summary = dataclasses.replace(self.summary, exclude=frozenset(tried))
-        return self.engine.place(summary, self.session, tried=tried, began=self._began,
-                                 claimed_home=self._claimed_home)
+        summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})
+        return self.engine.place(summary, self.session, retry_of=self)
