@@ -251,3 +251,25 @@ async def test_a_burst_of_new_sessions_behind_a_slow_redis_spreads(start_app, st
             redis_server.resume()
         placed = Counter(await asyncio.gather(*burst))
     assert sorted(placed.values()) == [2] * 6, placed
+
+
+async def test_a_request_cut_while_its_home_is_claimed_releases_its_slot(start_app, start_router):
+    """Through the relay: the slot reserved at place() is released when the handler is cancelled
+    while waiting on the affinity store (here a store whose `begin` stalls)."""
+    replica = await start_app(build_app("tiny", seed=0))
+    router, url = await start_router([replica], signals={"interval_s": 60.0})
+    stalled = _BlockingBegin()
+    memory = router.relay.affinity
+    memory.begin = stalled.begin  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        post = asyncio.create_task(http.post(url + "/v1/chat/completions", json=body,
+                                             headers={"x-session-id": "s"}))
+        await asyncio.wait_for(stalled.entered.wait(), 10)
+        assert router.registry.view(replica).in_flight == 1
+        assert router.relay.cut_requests("shutting down") == 1
+        async with await post as resp:
+            assert resp.status == 503
+    assert router.registry.view(replica).in_flight == 0
+    assert router.metrics.registry.get_sample_value(
+        "kvrouter_replica_in_flight_requests", {"replica": replica}) == 0
