@@ -43,14 +43,21 @@ class HomeStoreNow(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class HomeClaim:
-    """What the affinity store has to record for a placement: `begin` (the request's first
-    placement) or `move` (a retry that put the session's KV on another replica)."""
+    """The request's first placement: the store's `begin` (set the home unless there is one, or
+    `force`; note the context size; the stored home comes back)."""
 
     key: str
     home: str | None
-    force: bool = False
-    tokens: int = 0
-    move: bool = False
+    force: bool
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class HomeMove:
+    """A retry put the session's KV on another replica: the store's `move`."""
+
+    key: str
+    home: str
 
 
 class Placement:
@@ -115,7 +122,7 @@ class Placement:
             self._release(self.url)
 
     # -- the session's home ------------------------------------------------------------------------
-    def home_claim(self) -> HomeClaim | None:
+    def home_claim(self) -> HomeClaim | HomeMove | None:
         """What the affinity store must record now, or None (no session, or nothing new)."""
         if not self._claim_pending:
             return None
@@ -131,18 +138,17 @@ class Placement:
             return HomeClaim(key, home or (self.url if self.target is None else None),
                              force=self.decision.replaces_home(current), tokens=self.summary.prompt_tokens)
         if home is not None and home != self._claimed_home:
-            return HomeClaim(key, home, move=True)  # its KV will live there, so its home too
+            return HomeMove(key, home)  # its KV will live there, so its home too
         return None
 
-    def home_recorded(self, claim: HomeClaim, stored: str | None) -> None:
+    def home_recorded(self, claim: HomeClaim | HomeMove, stored: str | None) -> None:
         """The store recorded `claim` and now holds `stored` as the session's home. If another
         request or router set a healthy home first, this request follows it there."""
         self._claim_pending = False
         self._began = True
-        if claim.move:
-            self._claimed_home = claim.home
-            return
         self._claimed_home = stored
+        if isinstance(claim, HomeMove):
+            return
         if (self.decision.home is not None and stored not in (None, self.url)
                 and self.engine.registry.healthy(stored) and self._held):
             self._release(self.url)
@@ -155,8 +161,8 @@ class Placement:
         if claim is None:
             return
         self._began = True  # even if the call is cancelled: the home is claimed once per request
-        if claim.move:
-            await store.move(claim.key, claim.home or "")
+        if isinstance(claim, HomeMove):
+            await store.move(claim.key, claim.home)
             self.home_recorded(claim, claim.home)
         else:
             self.home_recorded(claim, await store.begin(claim.key, claim.home, force=claim.force,
@@ -167,8 +173,8 @@ class Placement:
         claim = self.home_claim()
         if claim is None:
             return
-        if claim.move:
-            store.move(claim.key, claim.home or "")
+        if isinstance(claim, HomeMove):
+            store.move(claim.key, claim.home)
             self.home_recorded(claim, claim.home)
         else:
             self.home_recorded(claim, store.begin(claim.key, claim.home, force=claim.force,
