@@ -3,7 +3,9 @@
 One heap of timed events and a virtual clock; no asyncio, no sleeps, no wall clock. Each replica is
 a `ReplicaModel`; routing goes through the live router's own `RoutingEngine` (same policy objects,
 same shadow KV index, same session table as the in-memory affinity store), fed with replica
-signals polled every `poll_interval_s` as the live router polls `/metrics`. Sessions come from the
+signals polled every `poll_interval_s` as the live router polls `/metrics`. Each request takes the
+live router's own routing lifecycle (`RoutingEngine.place`, then the `Placement`'s home, acceptance
+and release; router/placement.py) against the synchronous in-memory affinity store. Sessions come from the
 coding-agent workload (closed loop: each turn waits for every request of the previous one plus a
 think time) or from a trace (see loadtest/traces.py).
 
@@ -25,8 +27,10 @@ from typing import Any
 from ..metrics.sglang import ReplicaSignals
 from ..policies.base import RequestSummary
 from ..policies.registry import build_policy
+from ..router.affinity import LocalAffinity
 from ..router.engine import RoutingEngine
 from ..router.kv_index import ShadowKVIndex
+from ..router.placement import Placement
 from ..router.replicas import ReplicaRegistry
 from ..router.sessions import SessionTable
 from .profiles import Profile, load_profile
@@ -83,7 +87,7 @@ class _Flight:
     req: TurnRequest
     session_idx: int
     replica: str
-    summary: RequestSummary
+    placement: Placement
     start: float
     record: RequestRecord
     first: float | None = None
@@ -136,6 +140,7 @@ class ClusterSimulator:
         self.rng = random.Random(f"sim:{config.seed}:{policy}")
         self.registry = ReplicaRegistry()
         self.table = SessionTable(ttl_s=3600.0)
+        self.affinity = LocalAffinity(self.table, clock=lambda: self.now)  # the live default store
         self.index = ShadowKVIndex(
             self.profile.page_size * self.stride, self.profile.max_total_num_tokens
         )
@@ -258,25 +263,21 @@ class ClusterSimulator:
         )
         record = RequestRecord(session.session_id, ok=False, start_s=self.now, prompt_tokens=prompt,
                                turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
-        view = self.table.view(session.session_id)
-        decision, summary = self.engine.decide(summary, view)
-        if decision is None:
+        view = self.affinity.acquire(session.session_id)
+        placement = self.engine.place(summary, view)
+        if placement is None:
+            self.affinity.end(session.session_id)
             record.error = "no replica"
             self.records.append(record)
             self._reply(idx, req, None)
             return
-        url = decision.replica
-        # The same home bookkeeping as the live relay (router/relay.py).
-        home = self.table.begin(session.session_id, decision.home or url,
-                                force=decision.replaces_home(view.home), tokens=prompt, now=self.now)
-        if decision.home is not None and home not in (None, url) and self.registry.healthy(home):
-            url = home
-        self.decisions[decision.reason] += 1
-        self.engine.dispatched(url, summary)
-        self.engine.accepted(url, summary)  # simulated replicas never refuse a request
+        placement.confirm_home_now(self.affinity)
+        placement.accepted()  # simulated replicas never refuse a request
+        self.decisions[placement.decision.reason] += 1
+        url = placement.url
         rid = f"r{next(self._rid)}"
         record.replica = url
-        self._flights[rid] = _Flight(req, idx, url, summary, self.now, record)
+        self._flights[rid] = _Flight(req, idx, url, placement, self.now, record)
         output = max(1, req.expected_output_tokens)
         self.models[url].submit(SimRequest(rid, prompt, output, keys), self.now)
         self._dirty.add(url)
@@ -294,8 +295,8 @@ class ClusterSimulator:
             if completion > 1:
                 record.itl_s = (record.e2e_s - record.ttft_s) / (completion - 1)
         self.records.append(record)
-        self.engine.completed(flight.replica, flight.summary)
-        self.table.release(flight.req.session_id, self.now)
+        flight.placement.done()
+        self.affinity.end(flight.req.session_id)
         self._reply(flight.session_idx, flight.req, completion if ok else None)
 
     def _reply(self, idx: int, req: TurnRequest, reply: int | None) -> None:
@@ -341,7 +342,7 @@ class ClusterSimulator:
                 self.now, self.config.rebalance_interval_s, self.config.rebalance_max_moves,
                 kv_pressure=self.config.rebalance_kv_pressure,
             ):
-                self.table.set_home(move.session, move.target, self.now)
+                self.affinity.move(move.session, move.target)
                 self.rebalanced += 1
 
     def _sample(self) -> None:

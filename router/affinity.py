@@ -1,11 +1,15 @@
 """Affinity stores: session -> home replica and the session's in-flight count.
 
-`MemoryAffinityStore` (the default) is the local `SessionTable`. `RedisAffinityStore` shares homes
+`MemoryAffinityStore` (the default) is the local `SessionTable`, through `LocalAffinity` (its
+synchronous form, which the cluster simulator calls directly). `RedisAffinityStore` shares homes
 and in-flight counts between router instances. In-flight counts are kept per router, in a field
 `r:<router id>` of the session hash, and only count while that router's heartbeat in the
 `routers` sorted set is younger than `lease_s`: a router that dies cannot leak counts. Every
 update is one Lua script (atomic). If Redis fails, requests keep flowing on the local table,
 `degraded` is set, and Redis is retried after `retry_after_s`.
+
+Routing calls the store through `router/placement.py`: `begin` and `move` are a placement's
+`confirm_home`, made after the chosen replica's in-flight slot is already reserved.
 
 A request makes one round trip before its routing decision (`acquire`: read the session and
 count the request), one more only when it gives the session its first home or a new one
@@ -116,31 +120,57 @@ class AffinityStore(Protocol):
     async def close(self) -> None: ...
 
 
+class LocalAffinity:
+    """Process-local affinity, synchronous: the session table under a clock. The cluster
+    simulator calls it directly (in virtual time); `MemoryAffinityStore` is its async face."""
+
+    def __init__(self, table: SessionTable, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.clock = clock
+
+    def get(self, key: str) -> SessionView:
+        return self.table.view(key)
+
+    def acquire(self, key: str) -> SessionView:
+        view = self.table.view(key)
+        self.table.acquire(key, self.clock())
+        return view
+
+    def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
+        return self.table.assign(key, home, force=force, tokens=tokens, now=self.clock())
+
+    def end(self, key: str) -> None:
+        self.table.release(key, self.clock())
+
+    def move(self, key: str, home: str) -> None:
+        self.table.set_home(key, home, self.clock())
+
+
 class MemoryAffinityStore:
-    """Process-local affinity: the embedded default (one router process)."""
+    """Process-local affinity: the embedded default (one router process). The `AffinityStore`
+    port over `LocalAffinity`; nothing here awaits."""
 
     degraded = False
 
     def __init__(self, table: SessionTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.clock = clock
+        self.sync = LocalAffinity(table, clock)
 
     async def get(self, key: str) -> SessionView:
-        return self.table.view(key)
+        return self.sync.get(key)
 
     async def acquire(self, key: str) -> SessionView:
-        view = self.table.view(key)
-        self.table.acquire(key, self.clock())
-        return view
+        return self.sync.acquire(key)
 
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
-        return self.table.assign(key, home, force=force, tokens=tokens, now=self.clock())
+        return self.sync.begin(key, home, force=force, tokens=tokens)
 
     async def end(self, key: str) -> None:
-        self.table.release(key, self.clock())
+        self.sync.end(key)
 
     async def move(self, key: str, home: str) -> None:
-        self.table.set_home(key, home, self.clock())
+        self.sync.move(key, home)
 
     async def start(self) -> None:
         return None

@@ -75,7 +75,8 @@ class Router:
             self.index = ShadowKVIndex(block_tokens=max(1, config.routing.block_chars // 4))
         self.table = SessionTable(config.routing.session_ttl_s)
         self.engine = RoutingEngine(
-            self.policy, self.registry, self.index, self.table, rng or random.Random()
+            self.policy, self.registry, self.index, self.table, rng or random.Random(),
+            metrics=self.metrics,
         )
         self.affinity = self._make_affinity_store()
         self.shutting_down = False  # SIGTERM: /ready 503 and no new requests

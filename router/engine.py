@@ -1,9 +1,11 @@
-"""Decide, then record: the synchronous routing core shared by the live router and the simulator.
+"""Decide and reserve: the synchronous routing core shared by the live router and the simulator.
 
 The transport (or the simulator) builds a RequestSummary and reads the session from its affinity
-store; the engine fills in the KV-index match, takes a snapshot, asks the policy, and records the
-dispatch (in-flight, index). It also owns the scale-out housekeeping: settling fresh replicas and
-planning bounded session moves onto fresh replicas that arrivals alone do not fill.
+store; `place` fills in the KV-index match, takes a snapshot, asks the policy and reserves the
+chosen replica's in-flight slot in one synchronous step, returning a `Placement` (router/placement.py)
+that carries the rest of the request's routing: the session's home, acceptance, release, retries.
+The engine also owns the scale-out housekeeping: settling fresh replicas and planning bounded
+session moves onto fresh replicas that arrivals alone do not fill.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from ..metrics.router_metrics import RouterMetrics
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
 from .kv_index import KVIndex
+from .placement import Placement
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -36,7 +40,9 @@ class RoutingEngine:
         rng: random.Random,
         match_limit: int = 32,
         default_capacity_tokens: int = 444_672,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self.metrics = metrics  # the live router's (decisions, in-flight, cached tokens); None in the simulator
         self.default_capacity_tokens = default_capacity_tokens  # until a replica reports its own
         self.match_limit = match_limit  # policies see the deepest prefix holders, not all of them
         self.policy = policy
@@ -72,6 +78,7 @@ class RoutingEngine:
     def decide(
         self, summary: RequestSummary, session: SessionView | None
     ) -> tuple[Decision | None, RequestSummary]:
+        """The policy's decision, and `summary` with the KV-index match filled in. Records nothing."""
         if summary.prefix_blocks:
             matched = self.index.match(summary.prefix_blocks, self.match_limit)
             on_host = self.index.match_host(summary.prefix_blocks, self.match_limit)
@@ -81,16 +88,28 @@ class RoutingEngine:
             snapshot = snapshot.with_session(session)
         return self.policy.decide(snapshot, summary, self.rng), summary
 
-    def dispatched(self, replica: str, summary: RequestSummary) -> None:
-        self.registry.dispatched(replica, summary.prompt_tokens)
-
-    def accepted(self, replica: str, summary: RequestSummary) -> None:
-        """The replica took the request (it answered): it will cache the prompt."""
-        if summary.prefix_blocks:
-            self.index.record(replica, summary.prefix_blocks)
-
-    def completed(self, replica: str, summary: RequestSummary) -> None:
-        self.registry.completed(replica, summary.prompt_tokens)
+    def place(
+        self,
+        summary: RequestSummary,
+        session: SessionView | None,
+        target: str | None = None,
+        *,
+        retry_of: Placement | None = None,
+    ) -> Placement | None:
+        """Decide and reserve the replica's in-flight slot, with no await in between: the next
+        decision sees this one. `target` (a validated routing hint) bypasses the policy. None if
+        no replica can take the request. `retry_of`: the request's previous placement (see
+        `Placement.retry`)."""
+        if target is not None:
+            decision: Decision | None = Decision(target, "target_hint")
+        else:
+            decision, summary = self.decide(summary, session)
+        if decision is None:
+            return None
+        if self.metrics is not None:
+            m = self.metrics
+            m.child(m.decisions, self.policy.name, decision.reason).inc()
+        return Placement(self, summary, session, decision, target=target, retry_of=retry_of)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def load_stats(self) -> tuple[float, float, float]:

@@ -10,7 +10,6 @@ event boundary (never half a JSON line).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import Decision, RequestSummary, SessionView
+from ..policies.base import RequestSummary, SessionView
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine
@@ -172,56 +171,24 @@ class Relay:
         session: SessionView | None,
         target: str | None = None,
     ) -> web.StreamResponse:
+        """Send to each placement in turn (router/placement.py) until a replica takes the
+        request; retries only before the first byte reaches the client."""
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers, self._drop)
         if self.inject_headers:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
-        tried: set[str] = set()
         last_problem = "no healthy replica"
-        policy = self.engine.policy.name
-        child = self.metrics.child
-        m = self.metrics
+        child, m = self.metrics.child, self.metrics
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
-        recorded_home: str | None = None
-        began = False  # the session's begin() is called once, on the first attempt
+        placement = self.engine.place(summary, session, target)
         for attempt in range(self.config.max_attempts):
-            if tried:
-                summary = dataclasses.replace(summary, exclude=frozenset(tried))
-            if target is not None:
-                if attempt:
-                    break  # a hinted request goes to its target or nowhere
-                decision: Decision | None = Decision(target, "target_hint")
-            else:
-                decision, summary = self.engine.decide(summary, session)
-            if decision is None:
+            if placement is None:
                 break
-            url = decision.replica
-            key = summary.session_key
-            if key is not None and not began:
-                began = True
-                # A session without a home gets the replica of its first request (policies that
-                # do not assign homes too, so sessions per replica can be counted for every policy).
-                # A decision that names a new home replaces an old one (rehome, or a fallback away
-                # from an unusable home); a brand-new session's home goes to the first writer.
-                home = await self.affinity.begin(
-                    key, decision.home or (url if target is None else None),
-                    force=decision.replaces_home(session.home if session is not None else None),
-                    tokens=summary.prompt_tokens,
-                )
-                recorded_home = home
-                if decision.home is not None and home not in (None, url) and self.registry.healthy(home):
-                    url = home  # another request or router set this session's home first
-            elif key is not None and decision.home is not None and decision.home != recorded_home:
-                # A retry placed the session elsewhere: its KV will live there, so its home too.
-                await self.affinity.move(key, decision.home)
-                recorded_home = decision.home
-            tried.add(url)
-            child(m.decisions, policy, decision.reason).inc()
-            self.engine.dispatched(url, summary)
-            in_flight = child(m.in_flight, url)
-            in_flight.inc()
-            try:
+            current, placement = placement, None
+            try:  # no await since place() or retry(): done() always releases the slot
+                await current.confirm_home(self.affinity)
+                url = current.url
                 sent = self.clock()
                 try:
                     upstream = await self.pool.request(request.method, url, path_qs, headers, body)
@@ -231,6 +198,8 @@ class Relay:
                     child(m.upstream_errors, url, kind).inc()
                     child(m.retries, kind).inc()
                     last_problem = f"replica {url} unreachable ({kind})"
+                    if attempt + 1 < self.config.max_attempts:
+                        placement = current.retry()
                     continue
                 except UpstreamTimeout as err:  # it got it and may still be working: no retry
                     child(m.upstream_errors, url, err.kind).inc()
@@ -242,19 +211,12 @@ class Relay:
                     child(m.retries, f"http_{upstream.status}").inc()
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
+                    placement = current.retry()
                     continue
-                # Accepted: only now does the replica cache the prompt (index, CHR estimate).
-                self.engine.accepted(url, summary)
-                if summary.prompt_tokens:
-                    m.prompt_tokens.inc(summary.prompt_tokens)
-                    cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
-                    if cached:
-                        m.est_cached_tokens.inc(cached)
+                current.accepted()  # only now does the replica cache the prompt
                 return await self._relay(request, upstream, url, request_id, sent)
             finally:
-                self.engine.completed(url, summary)
-                if url in self.registry:  # a removed replica's gauge is gone; don't recreate it at -1
-                    in_flight.dec()
+                current.done()
         return error_response(
             503,
             f"no replica could take the request: {last_problem}",

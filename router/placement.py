@@ -1,0 +1,206 @@
+"""One request's routing lifecycle, shared by the live relay and the cluster simulator.
+
+`RoutingEngine.place` decides and, in the same synchronous step, reserves the chosen replica's
+in-flight slot (registry, in-flight gauge, decisions counter): the next decision, even one made
+while this request still waits on the affinity store, sees it. Then, in order:
+
+1. `confirm_home` (async store) or `confirm_home_now` (the synchronous in-memory store): record the
+   session's home. A new session's first home goes to the first writer, a rehome overwrites, a
+   retry placed elsewhere moves the home; if another request or router already gave the session a
+   healthy home, the request follows it (the reservation moves with it).
+2. `accepted()`: the replica answered; it will cache the prompt (KV index, cached-token metrics).
+3. `done()`: the slot is released, exactly once; call it from a `finally` right after `place`.
+
+`retry()` places the request again, away from every replica tried so far. The session's home is
+claimed once per request (on its first placement); a retry that lands elsewhere moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..policies.base import Decision, RequestSummary, SessionView
+
+if TYPE_CHECKING:
+    from .engine import RoutingEngine
+
+
+class HomeStore(Protocol):
+    """The affinity store's home calls, as `router/affinity.py` stores implement them (async)."""
+
+    async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None: ...
+    async def move(self, key: str, home: str) -> None: ...
+
+
+class HomeStoreNow(Protocol):
+    """The same calls, synchronous: the in-memory store (`affinity.LocalAffinity`)."""
+
+    def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None: ...
+    def move(self, key: str, home: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HomeClaim:
+    """The request's first placement: the store's `begin` (set the home unless there is one, or
+    `force`; note the context size; the stored home comes back)."""
+
+    key: str
+    home: str | None
+    force: bool
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class HomeMove:
+    """A retry put the session's KV on another replica: the store's `move`."""
+
+    key: str
+    home: str
+
+
+class Placement:
+    """One attempt of one request on one replica. Built by `RoutingEngine.place`, which has
+    already reserved the replica's in-flight slot."""
+
+    __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried",
+                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted")
+
+    def __init__(
+        self,
+        engine: RoutingEngine,
+        summary: RequestSummary,
+        session: SessionView | None,
+        decision: Decision,
+        *,
+        target: str | None = None,
+        retry_of: Placement | None = None,
+    ) -> None:
+        self.engine = engine
+        self.summary = summary  # with the KV-index match filled in
+        self.session = session  # as read before the request's first placement
+        self.decision = decision
+        self.url = decision.replica  # where the request goes (confirm_home may change it)
+        self.target = target  # a routing hint: one attempt, no policy
+        # Replicas earlier attempts of this request went to; whether one of them claimed the
+        # session's home already, and the home that claim left in the store.
+        self.tried: frozenset[str] = frozenset()
+        self._began = False
+        self._claimed_home: str | None = None
+        if retry_of is not None:
+            self.tried = retry_of.tried | {retry_of.url}
+            self._began, self._claimed_home = retry_of._began, retry_of._claimed_home
+        self._claim_pending = summary.session_key is not None
+        self._held = False
+        self._accepted = False
+        self._reserve(self.url)
+
+    # -- in-flight slot ----------------------------------------------------------------------------
+    def _reserve(self, url: str) -> None:
+        self.engine.registry.dispatched(url, self.summary.prompt_tokens)
+        m = self.engine.metrics
+        if m is not None:
+            m.child(m.in_flight, url).inc()
+        self._held = True
+
+    def _release(self, url: str) -> None:
+        self.engine.registry.completed(url, self.summary.prompt_tokens)
+        m = self.engine.metrics
+        if m is not None and url in self.engine.registry:  # a removed replica's gauge is gone:
+            m.child(m.in_flight, url).dec()  # don't recreate it at -1
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        """The replica's in-flight slot is still reserved for this attempt."""
+        return self._held
+
+    def done(self) -> None:
+        """The attempt is over (answered, failed or cancelled): release the slot. Idempotent."""
+        if self._held:
+            self._release(self.url)
+
+    # -- the session's home ------------------------------------------------------------------------
+    def home_claim(self) -> HomeClaim | HomeMove | None:
+        """What the affinity store must record now, or None (no session, or nothing new)."""
+        if not self._claim_pending:
+            return None
+        key = self.summary.session_key
+        assert key is not None
+        home = self.decision.home
+        if not self._began:
+            # A session without a home gets the replica of its first request (policies that do
+            # not assign homes too, so sessions per replica can be counted for every policy); a
+            # decision naming a new home replaces an old one (rehome, or a fallback away from an
+            # unusable home); a brand-new session's home goes to the first writer.
+            current = self.session.home if self.session is not None else None
+            return HomeClaim(key, home or (self.url if self.target is None else None),
+                             force=self.decision.replaces_home(current), tokens=self.summary.prompt_tokens)
+        if home is not None and home != self._claimed_home:
+            return HomeMove(key, home)  # its KV will live there, so its home too
+        return None
+
+    def home_recorded(self, claim: HomeClaim | HomeMove, stored: str | None) -> None:
+        """The store recorded `claim` and now holds `stored` as the session's home. If another
+        request or router set a healthy home first, this request follows it there."""
+        self._claim_pending = False
+        self._began = True
+        self._claimed_home = stored
+        if isinstance(claim, HomeMove):
+            return
+        if (self.decision.home is not None and stored not in (None, self.url)
+                and self.engine.registry.healthy(stored) and self._held):
+            self._release(self.url)
+            self.url = stored
+            self._reserve(stored)
+
+    async def confirm_home(self, store: HomeStore) -> None:
+        """Record the session's home in an async affinity store (one round trip at most)."""
+        claim = self.home_claim()
+        if claim is None:
+            return
+        self._began = True  # even if the call is cancelled: the home is claimed once per request
+        if isinstance(claim, HomeMove):
+            await store.move(claim.key, claim.home)
+            self.home_recorded(claim, claim.home)
+        else:
+            self.home_recorded(claim, await store.begin(claim.key, claim.home, force=claim.force,
+                                                        tokens=claim.tokens))
+
+    def confirm_home_now(self, store: HomeStoreNow) -> None:
+        """`confirm_home` for the synchronous in-memory store (the simulator)."""
+        claim = self.home_claim()
+        if claim is None:
+            return
+        if isinstance(claim, HomeMove):
+            store.move(claim.key, claim.home)
+            self.home_recorded(claim, claim.home)
+        else:
+            self.home_recorded(claim, store.begin(claim.key, claim.home, force=claim.force,
+                                                  tokens=claim.tokens))
+
+    # -- outcome -------------------------------------------------------------------------------------
+    def accepted(self) -> None:
+        """The replica took the request (it answered): it will cache the prompt."""
+        if self._accepted:
+            return
+        self._accepted = True
+        summary, url = self.summary, self.url
+        if summary.prefix_blocks:
+            self.engine.index.record(url, summary.prefix_blocks)
+        m = self.engine.metrics
+        if m is not None and summary.prompt_tokens:
+            m.prompt_tokens.inc(summary.prompt_tokens)
+            cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
+            if cached:
+                m.est_cached_tokens.inc(cached)
+
+    def retry(self) -> Placement | None:
+        """Release this attempt and place the request again, away from every replica tried so
+        far; None if nothing is left (or the request was pinned to a hinted target)."""
+        self.done()
+        if self.target is not None:
+            return None
+        summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})
+        return self.engine.place(summary, self.session, retry_of=self)
