@@ -137,7 +137,8 @@ class Router:
         self.engine.remove_replica(url)
         if self.kv_events is not None:
             self.kv_events.remove(url)
-        self.metrics.forget_replica(url)
+        self.metrics.forget_replica(url)  # every series labelled with it
+        self.relay.pool.forget_replica(url)  # its idle connections and parsed URL
         return True
 
     def drain(self, url: str) -> bool:
