@@ -167,6 +167,13 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+        self.background_restarts = Counter(
+            "kvrouter_background_restarts_total",
+            "Background loops (poller, housekeeping, KV-event subscribers, discovery) restarted "
+            "after an unexpected exception, by kind of loop.",
+            ["task"],
+            registry=r,
+        )
 
     # -- hot-path label children -------------------------------------------------------------
     # `Metric.labels(...)` validates and hashes its arguments and takes a lock on every call; the

@@ -34,6 +34,7 @@ from .security import KeyLimiter, bearer_token, constant_time_in, load_api_keys,
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 from .summary import ExactBlocks, summarize
+from .supervise import spawn
 from .tokenizers import load_tokenizer
 
 log = logging.getLogger("kvrouter")
@@ -227,9 +228,10 @@ class Router:
         await self.relay.start()
         await self.affinity.start()
         assert self.relay.session is not None
-        tasks = [
-            asyncio.create_task(self.poller.run(self.relay.session), name="signal-poller"),
-            asyncio.create_task(self.housekeeping(), name="housekeeping"),
+        session = self.relay.session
+        tasks = [  # a crash restarts the loop (logged, counted), never silently ends it
+            spawn("signal-poller", lambda: self.poller.run(session), metrics=self.metrics),
+            spawn("housekeeping", self.housekeeping, metrics=self.metrics),
         ]
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
