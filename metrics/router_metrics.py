@@ -155,6 +155,13 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.tokenizer_overflow = Counter(
+            "kvrouter_tokenizer_overflow_total",
+            "Requests routed without the exact KV match because every tokenizer thread and "
+            "queue slot was taken (kv_events.tokenizer_threads, tokenizer_queue).",
+            registry=r,
+        )
+
         self.discovery_replicas = Gauge(
             "kvrouter_discovery_replicas",
             "Replicas the discovery source currently lists (file, dns, kubernetes).",

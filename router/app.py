@@ -9,7 +9,8 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
 from ..metrics.sglang import ReplicaSignals
-from ..policies.base import Policy
+from ..policies.base import Policy, RequestSummary
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig, normalize_replica_url
@@ -35,7 +36,7 @@ from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 from .summary import ExactBlocks, summarize
 from .supervise import spawn
-from .tokenizers import load_tokenizer
+from .tokenizers import TokenizePool, load_tokenizer
 
 log = logging.getLogger("kvrouter")
 
@@ -65,6 +66,7 @@ class Router:
         self.index: KVIndex
         self.kv_events: KVEventSubscriber | None = None
         self._exact_blocks: ExactBlocks | None = None
+        self.tokenize_pool: TokenizePool[tuple[int, tuple[int, ...]]] | None = None
         kv = config.kv_events
         if kv.enabled:
             self.index = exact = ExactKVIndex(kv.page_size)
@@ -72,6 +74,11 @@ class Router:
             self._exact_blocks = functools.partial(
                 request_blocks, load_tokenizer(kv.tokenizer), page_size=kv.page_size
             )
+            if kv.tokenizer_threads:  # tokenizing a large prompt must not stall the loop
+                self.tokenize_pool = TokenizePool(
+                    self._exact_blocks, kv.tokenizer_threads, kv.tokenizer_queue,
+                    on_full=self.metrics.tokenizer_overflow.inc,
+                )
         else:
             self.index = ShadowKVIndex(block_tokens=max(1, config.routing.block_chars // 4))
         self.table = SessionTable(config.routing.session_ttl_s)
@@ -245,6 +252,8 @@ class Router:
                 await task
         await self.affinity.close()
         await self.relay.close()
+        if self.tokenize_pool is not None:
+            self.tokenize_pool.close()
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -358,8 +367,19 @@ class Router:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
-        summary = summarize(route, parsed, request.headers, self.config.routing, self._exact_blocks)
+        summary = await self.summarize_request(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target)
+
+    async def summarize_request(
+        self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
+    ) -> RequestSummary:
+        """What the policy needs of a request; with the exact KV index, its block hashes are
+        computed in the tokenizer pool (None there, or a full pool: no exact match)."""
+        exact = self._exact_blocks
+        if self.tokenize_pool is not None:
+            found = await self.tokenize_pool.run(route, parsed)
+            exact = lambda _route, _body: found  # noqa: E731
+        return summarize(route, parsed, headers, self.config.routing, exact)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:
