@@ -106,6 +106,7 @@ async def test_full_pool_routes_without_the_exact_match(start_app, start_router)
 
     async with aiohttp.ClientSession() as s:
         follow = await warm_elsewhere(s, router, urls[1], 5)
+        later = await warm_elsewhere(s, router, urls[1], 6)  # untouched by the overflow below
         pool.fn = stuck
         try:
             first = asyncio.create_task(post(s, base, {"model": "tiny", "max_tokens": 1,
@@ -122,7 +123,7 @@ async def test_full_pool_routes_without_the_exact_match(start_app, start_router)
         # The pool is free again: exact matches are back.
         affinity = router.metrics.decisions.labels("coding_agent", "affinity")
         before = affinity._value.get()
-        served, _ = await post(s, base, follow)
+        served, _ = await post(s, base, later)
         assert served == urls[1]
         assert affinity._value.get() == before + 1
 
