@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 # Time-to-first-byte spans a warm turn (tens of ms) to a cold 100k-token prefill behind a queue.
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
@@ -154,6 +155,13 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.tokenizer_overflow = Counter(
+            "kvrouter_tokenizer_overflow_total",
+            "Requests routed without the exact KV match because every tokenizer thread and "
+            "queue slot was taken (kv_events.tokenizer_threads, tokenizer_queue).",
+            registry=r,
+        )
+
         self.discovery_replicas = Gauge(
             "kvrouter_discovery_replicas",
             "Replicas the discovery source currently lists (file, dns, kubernetes).",
@@ -164,6 +172,13 @@ class RouterMetrics:
             "kvrouter_discovery_errors_total",
             "Failed discovery refreshes (the source keeps its last known replicas).",
             ["source"],
+            registry=r,
+        )
+        self.background_restarts = Counter(
+            "kvrouter_background_restarts_total",
+            "Background loops (poller, housekeeping, KV-event subscribers, discovery) restarted "
+            "after an unexpected exception, by kind of loop.",
+            ["task"],
             registry=r,
         )
 
@@ -182,12 +197,23 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def forget_replica(self, replica: str) -> None:
+        """Drop every series labelled with `replica` (and the cached children that feed them),
+        so a replica that left the fleet leaves no stale series behind."""
         for key in [k for k in self._children if replica in k[1]]:
             del self._children[key]
-        for metric in (self.in_flight, self.replica_healthy, self.poll_errors, self.signal_age,
-                       self.polled_running, self.polled_queued, self.polled_token_usage,
-                       self.kv_events, self.kv_events_gaps):
-            try:
-                metric.remove(replica)
-            except KeyError:
-                pass
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", ())
+            if not isinstance(metric, MetricWrapperBase) or "replica" not in names:
+                continue
+            at = names.index("replica")
+            # The label sets in use, read through the public collect(); histogram samples carry
+            # an extra `le` label, ignored here.
+            series = {tuple(s.labels[n] for n in names)
+                      for family in metric.collect() for s in family.samples
+                      if s.labels.get("replica") == replica}
+            for values in series:
+                if values[at] == replica:
+                    try:
+                        metric.remove(*values)
+                    except KeyError:
+                        pass

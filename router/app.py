@@ -9,7 +9,8 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
 from ..metrics.sglang import ReplicaSignals
-from ..policies.base import Policy
+from ..policies.base import Policy, RequestSummary
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig, normalize_replica_url
@@ -34,7 +35,8 @@ from .security import KeyLimiter, bearer_token, constant_time_in, load_api_keys,
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 from .summary import ExactBlocks, summarize
-from .tokenizers import load_tokenizer
+from .supervise import spawn
+from .tokenizers import TokenizePool, load_tokenizer
 
 log = logging.getLogger("kvrouter")
 
@@ -64,6 +66,7 @@ class Router:
         self.index: KVIndex
         self.kv_events: KVEventSubscriber | None = None
         self._exact_blocks: ExactBlocks | None = None
+        self.tokenize_pool: TokenizePool[tuple[int, tuple[int, ...]]] | None = None
         kv = config.kv_events
         if kv.enabled:
             self.index = exact = ExactKVIndex(kv.page_size)
@@ -71,6 +74,11 @@ class Router:
             self._exact_blocks = functools.partial(
                 request_blocks, load_tokenizer(kv.tokenizer), page_size=kv.page_size
             )
+            if kv.tokenizer_threads:  # tokenizing a large prompt must not stall the loop
+                self.tokenize_pool = TokenizePool(
+                    self._exact_blocks, kv.tokenizer_threads, kv.tokenizer_queue,
+                    on_full=self.metrics.tokenizer_overflow.inc,
+                )
         else:
             self.index = ShadowKVIndex(block_tokens=max(1, config.routing.block_chars // 4))
         self.table = SessionTable(config.routing.session_ttl_s)
@@ -138,7 +146,8 @@ class Router:
         self.engine.remove_replica(url)
         if self.kv_events is not None:
             self.kv_events.remove(url)
-        self.metrics.forget_replica(url)
+        self.metrics.forget_replica(url)  # every series labelled with it
+        self.relay.pool.forget_replica(url)  # its idle connections and parsed URL
         return True
 
     def drain(self, url: str) -> bool:
@@ -227,9 +236,10 @@ class Router:
         await self.relay.start()
         await self.affinity.start()
         assert self.relay.session is not None
-        tasks = [
-            asyncio.create_task(self.poller.run(self.relay.session), name="signal-poller"),
-            asyncio.create_task(self.housekeeping(), name="housekeeping"),
+        session = self.relay.session
+        tasks = [  # a crash restarts the loop (logged, counted), never silently ends it
+            spawn("signal-poller", lambda: self.poller.run(session), metrics=self.metrics),
+            spawn("housekeeping", self.housekeeping, metrics=self.metrics),
         ]
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
@@ -243,6 +253,8 @@ class Router:
                 await task
         await self.affinity.close()
         await self.relay.close()
+        if self.tokenize_pool is not None:
+            self.tokenize_pool.close()
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -356,8 +368,19 @@ class Router:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
-        summary = summarize(route, parsed, request.headers, self.config.routing, self._exact_blocks)
+        summary = await self.summarize_request(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target)
+
+    async def summarize_request(
+        self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
+    ) -> RequestSummary:
+        """What the policy needs of a request; with the exact KV index, its block hashes are
+        computed in the tokenizer pool (None there, or a full pool: no exact match)."""
+        exact = self._exact_blocks
+        if self.tokenize_pool is not None:
+            found = await self.tokenize_pool.run(route, parsed)
+            exact = lambda _route, _body: found  # noqa: E731
+        return summarize(route, parsed, headers, self.config.routing, exact)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:

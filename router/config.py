@@ -190,6 +190,16 @@ class KVEventsConfig(_Strict):
         default_factory=dict,
         description="Per-replica endpoints overriding port/replay_port (e.g. several replicas on one host).",
     )
+    tokenizer_threads: int = Field(
+        1, ge=0, le=64, description="Threads that tokenize requests and hash their blocks off the "
+        "event loop (a large prompt would stall every other request); 0 = on the event loop. "
+        "More than 1 only helps a tokenizer that releases the GIL (e.g. Hugging Face's Rust one).",
+    )
+    tokenizer_queue: int = Field(
+        32, ge=0, le=4096, description="Requests that may wait for a tokenizer thread; when all "
+        "are taken, a request is routed without the exact match instead of waiting "
+        "(kvrouter_tokenizer_overflow_total).",
+    )
 
     @field_validator("tokenizer")
     @classmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -33,6 +34,7 @@ import yaml
 
 from .config import normalize_replica_url
 from .discovery_config import DiscoveryConfig, FileDiscoveryConfig
+from .supervise import spawn
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -49,7 +51,8 @@ class Source(Protocol):
 
     async def run(self, publish: Publish) -> None:
         """Publish the full current set whenever it may have changed; loop until cancelled.
-        Errors that should keep the last set are handled inside (never raised)."""
+        Expected errors (keep the last set) are handled inside; anything else raised is a crash:
+        the source is restarted with backoff (router/supervise.py), its last set kept."""
 
 
 class ReplicaSink(Protocol):
@@ -127,7 +130,10 @@ class Discovery:
     def start(self) -> None:
         for source in self.sources:
             publish: Publish = lambda urls, _name=source.name: self.publish(_name, urls)  # noqa: E731
-            self._tasks.append(asyncio.create_task(source.run(publish), name=f"discovery-{source.name}"))
+            self._tasks.append(spawn(
+                f"discovery-{source.name}", functools.partial(source.run, publish),
+                metrics=self.metrics,
+            ))  # a source that crashes is restarted; its last published set stays meanwhile
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -6,12 +6,16 @@ missed batches are asked from the replica's replay socket; if they are not all t
 socket, buffer already overwritten, timeout), the replica's index is dropped, because an index
 that misses a BlockRemoved would route to a cache that is gone. A sequence that goes backwards
 is a restarted replica, whose cache is new as well.
+
+Each subscription runs supervised (router/supervise.py): after an unexpected error the replica's
+index is dropped and the subscription starts again, refilled from the replay socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from ..metrics.kv_events import (
 from ..metrics.router_metrics import RouterMetrics
 from .config import KVEventsConfig
 from .kv_events_index import ExactKVIndex
+from .supervise import spawn
 
 log = logging.getLogger("kvrouter")
 
@@ -76,8 +81,9 @@ class KVEventSubscriber:
     def add(self, replica: str) -> None:
         if self._ctx is None or replica in self._tasks:
             return  # not started yet: start() subscribes to every registered replica
-        self._tasks[replica] = asyncio.get_running_loop().create_task(
-            self._follow(replica), name=f"kv-events {replica}"
+        self._tasks[replica] = spawn(  # a crashed subscriber resubscribes and replays
+            "kv-events", functools.partial(self._follow, replica), metrics=self.metrics,
+            detail=replica,
         )
 
     def remove(self, replica: str) -> None:
@@ -111,6 +117,11 @@ class KVEventSubscriber:
         sub.connect(endpoint)  # ZMQ reconnects by itself while the replica is down
         stream = _Stream()
         try:
+            if replay is not None:
+                # Subscribed first, then the history: batches published meanwhile arrive on the
+                # SUB socket and are skipped as replay duplicates. After a crash (the index was
+                # dropped) this is what refills it, without waiting for the next batch.
+                await self._catch_up(replica, replay, stream, 0, gap=False)
             while True:
                 frames = await sub.recv_multipart()
                 try:
@@ -122,8 +133,9 @@ class KVEventSubscriber:
                     continue  # a longer topic that merely starts with ours
                 await self._on_batch(replica, replay, stream, seq, batch)
         except Exception:
-            log.exception("kv events from %s: subscriber failed; its index is dropped", replica)
+            # What it knew may be incomplete now; the supervisor logs the crash and restarts.
             self.index.forget(replica)
+            raise
         finally:
             sub.close(linger=0)
 

@@ -468,3 +468,17 @@ class UpstreamPool:
             conn.abort()
         self._idle.clear()
         self._open.clear()
+
+    def forget_replica(self, base_url: str) -> None:
+        """`base_url` left the fleet: close its idle connections and drop its parsed URL.
+        Connections still carrying a request finish it; another replica URL on the same
+        host and port keeps the shared idle connections."""
+        parsed = self._bases.pop(base_url, None)
+        if parsed is None:
+            return
+        key = parsed[0]
+        if any(other[0] == key for other in self._bases.values()):
+            return
+        for conn in self._idle.pop(key, []):
+            conn.abort()
+            self._open.discard(conn)
