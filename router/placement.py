@@ -107,8 +107,11 @@ class Placement:
     def _release(self, url: str) -> None:
         self.engine.registry.completed(url, self.summary.prompt_tokens)
         m = self.engine.metrics
-        if m is not None and url in self.engine.registry:  # a removed replica's gauge is gone:
-            m.child(m.in_flight, url).dec()  # don't recreate it at -1
+        if m is not None:
+            if url in self.engine.registry:
+                m.child(m.in_flight, url).dec()
+            else:  # removed while this request ran: drop the series it recreated since
+                m.forget_replica(url)
         self._held = False
 
     @property

@@ -365,6 +365,9 @@ class UpstreamPool:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._bases: dict[str, tuple[tuple[str, str, int], str, str]] = {}
+        # Keys of replicas that left: a connection that finishes its exchange after the removal
+        # is closed, not pooled (cleared when a request to that host and port is sent again).
+        self._gone: set[tuple[str, str, int]] = set()
         self._closed = False
 
     def _base(self, base_url: str) -> tuple[tuple[str, str, int], str, str]:
@@ -377,6 +380,7 @@ class UpstreamPool:
             host = name if url.is_default_port() else f"{name}:{url.port}"
             parsed = ((url.scheme, url.raw_host, url.port), host, url.raw_path.rstrip("/"))
             self._bases[base_url] = parsed
+            self._gone.discard(parsed[0])
         return parsed
 
     def timeout_message(self, kind: str) -> str:
@@ -445,7 +449,7 @@ class UpstreamPool:
         self._open.add(conn)
 
     def put_idle(self, conn: _Connection) -> None:
-        if self._closed:
+        if self._closed or conn.key in self._gone:
             conn.abort()
             return
         conn.idle_since = conn.loop.time()
@@ -479,6 +483,7 @@ class UpstreamPool:
         key = parsed[0]
         if any(other[0] == key for other in self._bases.values()):
             return
+        self._gone.add(key)
         for conn in self._idle.pop(key, []):
             conn.abort()
             self._open.discard(conn)

@@ -66,3 +66,47 @@ async def test_removed_replica_leaves_no_series_and_no_pooled_connection(start_a
         async with client.get(url + "/metrics") as r:
             again = await r.text()
         assert f'kvrouter_upstream_ttfb_seconds_count{{replica="{leaves_url}"}} ' in again
+
+
+async def test_replica_removed_with_a_request_in_flight_leaves_nothing_once_it_ends(
+        start_app, start_router):
+    """Removal without drain while a stream is in flight: the stream finishes, and neither its
+    metric series nor its keep-alive connection come back for the removed replica."""
+    hold = asyncio.Event()
+    leaves = FakeUpstream(name="leaves", hold_after_first=hold)
+    leaves_url = await start_app(leaves.app())
+    router, url = await start_router([leaves_url], signals={"source": "health", "interval_s": 0.05})
+    body = {**CHAT, "stream": True}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # the first event: the stream is in flight
+            assert router.remove_replica(leaves_url)
+            hold.set()
+            rest = await r.read()
+        assert rest.endswith(b"\n\n")
+        async with client.get(url + "/metrics") as r:
+            after = await r.text()
+    assert leaves_url not in after
+    assert not pool_holds(router, leaves_url)
+
+
+async def test_replica_removed_before_its_answer_leaves_no_series(start_app, start_router):
+    """Removed while the replica still prefills (no headers yet): the answer still reaches the
+    client, and the series its first byte would recreate are gone once the request ends."""
+    hold = asyncio.Event()
+    leaves = FakeUpstream(name="leaves", hold_before_headers=hold)
+    leaves_url = await start_app(leaves.app())
+    router, url = await start_router([leaves_url], signals={"source": "health", "interval_s": 0.05})
+    async with aiohttp.ClientSession() as client:
+        pending = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=CHAT))
+        await wait_for(lambda: len(leaves.requests) == 1)
+        assert router.remove_replica(leaves_url)
+        hold.set()
+        async with await pending as r:
+            assert r.status == 200
+            await r.read()
+        async with client.get(url + "/metrics") as r:
+            after = await r.text()
+    assert leaves_url not in after
+    assert not pool_holds(router, leaves_url)
