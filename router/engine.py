@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
+from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
@@ -35,7 +36,7 @@ class RoutingEngine:
         table: SessionTable,
         rng: random.Random,
         match_limit: int = 32,
-        default_capacity_tokens: int = 444_672,
+        default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
     ) -> None:
         self.default_capacity_tokens = default_capacity_tokens  # until a replica reports its own
         self.match_limit = match_limit  # policies see the deepest prefix holders, not all of them
@@ -103,14 +104,6 @@ class RoutingEngine:
             return 0.0, 0.0, 0.0
         return mean, max(loads) / mean, statistics.pstdev(loads) / mean
 
-    def _policy_param(self, *path: str, default: float) -> float:
-        """A policy parameter the housekeeping shares with the policy (e.g. cost.capacity_target);
-        `default` for policies without it."""
-        value: object = getattr(self.policy, "params", None)
-        for name in path:
-            value = getattr(value, name, None)
-        return float(value) if isinstance(value, (int, float)) else default
-
     def settle_fresh(self) -> None:
         """A fresh replica whose load reached `fresh_until_mean_ratio` x the cluster mean is an
         ordinary replica again."""
@@ -118,7 +111,7 @@ class RoutingEngine:
         mean = snapshot.mean_load()
         if mean <= 0:
             return
-        limit = self._policy_param("fresh_until_mean_ratio", default=1.0) * mean
+        limit = self.policy.capabilities.fresh_until_mean_ratio * mean
         for replica_id in snapshot.fresh_ids():
             view = snapshot.get(replica_id)
             if view is not None and view.load >= limit:
@@ -144,7 +137,8 @@ class RoutingEngine:
            sessions idle for `min_idle_s` or more, least recently active first, since under LRU
            their cache is the one already evicted and the move costs them nothing extra (moving
            recently active ones cost more cold prefills than it saved, in the simulator)."""
-        if not getattr(self.policy, "uses_affinity", False) or max_moves <= 0:
+        capabilities = self.policy.capabilities
+        if not capabilities.uses_affinity or max_moves <= 0:
             return []  # hash and load baselines ignore homes: moving one would change nothing
         views = [v for v in self.registry.snapshot().replicas if v.healthy]
         if not views:
@@ -158,10 +152,8 @@ class RoutingEngine:
         for m in moves:
             sessions[m.source] -= 1
             sessions[m.target] += 1
-        fill = self._policy_param("cost", "capacity_target", default=0.9)
-        default_capacity = self._policy_param(
-            "cost", "default_capacity_tokens", default=self.default_capacity_tokens
-        )
+        fill = capabilities.capacity_target
+        default_capacity = capabilities.default_capacity_tokens or self.default_capacity_tokens
         full = {v.id: float(v.max_total_num_tokens or default_capacity) for v in views}
         capacity = {v.id: fill * full[v.id] for v in views}
         for hot in sorted(views, key=lambda v: -demand[v.id] / full[v.id]):

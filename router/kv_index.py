@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Protocol
 
+from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
 
 
@@ -20,7 +21,7 @@ _ABSENT = object()
 
 
 class ShadowKVIndex:
-    def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = 444_672) -> None:
+    def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS) -> None:
         self.block_tokens = block_tokens
         self.default_capacity_tokens = default_capacity_tokens
         self._holders = BlockHolders()
