@@ -1,8 +1,11 @@
 """Expected time-to-first-token of a request on a replica: the quantity placement minimises.
 
-    cost = queueing + prefill(uncached | cached prefix) + host load-back
+    cost = queueing + decode batch + prefill(uncached | cached prefix) + host load-back
+         + KV pressure (token_usage past capacity_target)
          + KV demand (homed sessions' context / capacity) + homed sessions (their future load)
-         + capacity penalty (past capacity_target)
+         + capacity penalty (homed KV past capacity_target)
+
+The last three count only when placing a session (`placement`), not for one overflow request.
 
 Defaults are the roofline of the reference replica (Kimi K2.6 NVFP4 on 4xB200, see
 loadtest/profiles/kimi-k2.6-b200-tp4.yaml): 2 x 32e9 active FLOPs per token and 2.5e6 attention

@@ -2,7 +2,7 @@
 
 The transport (or the simulator) builds a RequestSummary and reads the session from its affinity
 store; the engine fills in the KV-index match, takes a snapshot, asks the policy, and records the
-dispatch (in-flight, index). It also owns the scale-out housekeeping: settling fresh replicas and
+dispatch (in-flight) and, once the replica accepted the request, its prefix in the index. It also owns the scale-out housekeeping: settling fresh replicas and
 planning bounded session moves onto fresh replicas that arrivals alone do not fill.
 """
 
