@@ -73,9 +73,6 @@ class CodingAgent:
         self.overflow_cost = ExpectedCost(p.cost, placement=False)
         self.pick = NearTiePowerOfTwo(p.tie_tolerance, p.tie_abs_s)
 
-    def overloaded(self, r: ReplicaView) -> bool:
-        return self.high_water.overloaded(r)
-
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
