@@ -154,12 +154,27 @@ class Decision:
         return self.home is not None and current not in (None, self.home)
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a policy declares to the control loop around it (scale-out housekeeping), so the
+    engine never probes a policy's attributes. The defaults suit a policy that ignores homes."""
+
+    # Decisions follow session homes, so moving an idle session's home onto a fresh replica moves
+    # its future requests there (hash and load baselines leave this False: nothing to move).
+    uses_affinity: bool = False
+    # A fresh replica is an ordinary one again once its load reaches this x the fleet's mean.
+    fresh_until_mean_ratio: float = 1.0
+    # Share of a replica's KV capacity homed sessions may fill (the KV-pressure moves' target).
+    capacity_target: float = 0.9
+    # KV capacity assumed until a replica reports max_total_num_tokens; None: the engine's own.
+    default_capacity_tokens: int | None = None
+
+
 class Policy(Protocol):
     """One synchronous call shape for every policy; `None` means no replica can take the request."""
 
     name: str
-    # Optional: `uses_affinity = True` says decisions follow session homes, so the control loop
-    # may move idle sessions' homes onto fresh replicas (baselines leave it out).
+    capabilities: Capabilities
 
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random

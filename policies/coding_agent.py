@@ -13,12 +13,18 @@ The rules, in order (each decision's `reason` names the rule that made it):
 4. new_session / fresh_replica
               New sessions are placed by expected cost (policies/cost.py: queueing + prefill of
               the tokens that replica has not cached + host load-back + KV capacity penalty).
-              While a fresh replica (one seen for the first time) is below the cluster's mean
-              load, new sessions go to fresh replicas only.
+              While a fresh replica (one seen for the first time) is under its high-water marks
+              and below `fresh_until_mean_ratio` x the fleet's mean load, new sessions go to
+              fresh replicas only.
 5. fallback   Every candidate is over its high-water marks: the cheapest one still takes it.
-Near-ties (cost within `tie_tolerance`) are broken by power of two choices on load, never by
-index order. At most `max_candidates` replicas are costed (those holding part of the prefix,
-then a random sample: power of d choices), so a decision stays cheap at 1000 replicas.
+
+Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
+    candidates  CandidateSampler (at most `max_candidates`: prefix holders, then a random
+                sample, so a decision stays cheap at 1000 replicas) or fresh_below_mean
+    filter      HighWater (the replica_max_* marks; none left: rule 5), `without` the home
+    score       ExpectedCost (with the homed-KV terms when placing a session, without for overflow)
+    pick        NearTiePowerOfTwo: costs within `tie_tolerance` (+ `tie_abs_s`) of the cheapest
+                are ties, broken by power of two choices on load, never by index order.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Decision, ReplicaView, RequestSummary, SessionView, Snapshot
-from .cost import CostParams, expected_cost, expected_costs, prefill_s
+from .base import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
+from .cost import CostParams, expected_cost, prefill_s
+from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
 
 
 class CodingAgentParams(BaseModel):
@@ -49,72 +56,88 @@ class CodingAgentParams(BaseModel):
 
 class CodingAgent:
     name = "coding_agent"
-    uses_affinity = True  # its sessions have homes worth rebalancing onto fresh replicas
 
     def __init__(self, params: CodingAgentParams | None = None) -> None:
-        self.params = params or CodingAgentParams()
-
-    # -- high-water marks ------------------------------------------------------------------------
-    def overloaded(self, r: ReplicaView) -> bool:
-        p = self.params
-        return (
-            r.load >= p.replica_max_running
-            or (r.num_queue_reqs or 0) > p.replica_max_queue
-            or (r.token_usage or 0.0) > p.replica_max_token_usage
+        p = self.params = params or CodingAgentParams()
+        # Its sessions have homes worth rebalancing onto fresh replicas; the control loop shares
+        # its fresh-replica ratio and KV capacity model.
+        self.capabilities = Capabilities(
+            uses_affinity=True,
+            fresh_until_mean_ratio=p.fresh_until_mean_ratio,
+            capacity_target=p.cost.capacity_target,
+            default_capacity_tokens=p.cost.default_capacity_tokens,
         )
+        self.candidates = CandidateSampler(p.max_candidates)
+        self.high_water = HighWater(p.replica_max_running, p.replica_max_queue, p.replica_max_token_usage)
+        self.placement_cost = ExpectedCost(p.cost, placement=True)
+        self.overflow_cost = ExpectedCost(p.cost, placement=False)
+        self.pick = NearTiePowerOfTwo(p.tie_tolerance, p.tie_abs_s)
 
-    # -- the pipeline ----------------------------------------------------------------------------
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
         session = snapshot.session
         home_id = session.home if session is not None else self._prefix_home(snapshot, request)
         home = snapshot.usable(home_id, request) if home_id is not None else None
-
         if home is not None:
-            session_busy = session is not None and session.in_flight >= self.params.session_high_water
-            if not session_busy and not self.overloaded(home):
-                return Decision(home.id, "affinity")
-            others = [r for r in self._pool(snapshot, request, rng) if r.id != home.id]
-            if not others:
-                return Decision(home.id, "affinity")
-            choice, reason = self._cheapest(others, request, rng, "overflow", placement=False)
-            # Shed only where it pays: a cold prefill elsewhere must beat queueing at home.
-            cost = self.params.cost
-            home_cost = expected_cost(cost, home, request, is_home=True, placement=False)
-            home_cost += self._sibling_wait(session, request)
-            if expected_cost(cost, choice, request, placement=False) < home_cost:
-                return Decision(choice.id, reason)
-            return Decision(home.id, "affinity")
+            return self._home_or_overflow(snapshot, request, rng, home)
+        return self._place(snapshot, request, rng)
 
+    # -- rules 1-2: affinity, overflow -----------------------------------------------------------
+    def _home_or_overflow(
+        self, snapshot: Snapshot, request: RequestSummary, rng: random.Random, home: ReplicaView
+    ) -> Decision:
+        session = snapshot.session
+        session_busy = session is not None and session.in_flight >= self.params.session_high_water
+        if not session_busy and not self.high_water.overloaded(home):
+            return Decision(home.id, "affinity")
+        others = without(self.candidates(snapshot, request, rng), home.id)
+        if not others:
+            return Decision(home.id, "affinity")
+        choice, reason = self._choose(others, request, rng, "overflow", self.overflow_cost)
+        # Shed only where it pays: a cold prefill elsewhere must beat queueing at home.
+        cost = self.params.cost
+        home_cost = expected_cost(cost, home, request, is_home=True, placement=False)
+        home_cost += self._sibling_wait(session, request)
+        if expected_cost(cost, choice, request, placement=False) < home_cost:
+            return Decision(choice.id, reason)
+        return Decision(home.id, "affinity")
+
+    # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
+    def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:
+        session = snapshot.session
         keyed = session is not None and session.key is not None
         reason = "new_session"
         if session is not None and session.home is not None:
             reason = "retry" if session.home in request.exclude else "rehome"
         pool: list[ReplicaView] = []
         if reason == "new_session":
-            pool = self._fresh_below_mean(snapshot, request)
+            pool = fresh_below_mean(snapshot, request, self.params.fresh_until_mean_ratio, self.high_water)
             if pool:
                 reason = "fresh_replica"
         if not pool:
-            pool = self._pool(snapshot, request, rng)
+            pool = self.candidates(snapshot, request, rng)
         if not pool:
             return None
         # A retry after the home just failed this request keeps the home; others (re)assign it.
         sets_home = keyed and reason != "retry"
-        choice, reason = self._cheapest(pool, request, rng, reason)
+        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost)
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
 
-    def _pool(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> list[ReplicaView]:
-        """Replicas worth costing: up to half of `max_candidates` holding the most of the prefix
-        (equal matches, such as a system prompt every replica holds, in random order), then a
-        random sample; the whole fleet when it is that small. Holders never crowd out the sample,
-        or a shared prefix would keep new sessions on the replicas that already have sessions."""
-        cached = request.cached_tokens
-        ranked = sorted(cached.items(), key=lambda kv: (-kv[1], kv[0]))  # stable before drawing
-        holders = [r for _, _, r in sorted((-c, rng.random(), r) for r, c in ranked)]
-        half = self.params.max_candidates // 2
-        return snapshot.sample(request, self.params.max_candidates, rng, first=holders[:half])
+    def _choose(
+        self,
+        pool: list[ReplicaView],
+        request: RequestSummary,
+        rng: random.Random,
+        reason: str,
+        score: ExpectedCost,
+    ) -> tuple[ReplicaView, str]:
+        """filter -> score -> pick; when every candidate is over a high-water mark the cheapest of
+        them still takes it (`fallback`)."""
+        usable = self.high_water(pool)
+        if not usable:
+            usable, reason = pool, "fallback"
+        return self.pick(usable, score(usable, request), rng), reason
 
     def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
         """Requests of the same session already at home are prefilled first: each costs about
@@ -135,33 +158,3 @@ class CodingAgent:
         if cached >= self.params.prefix_home_min_fraction * request.prompt_tokens:
             return best
         return None
-
-    def _fresh_below_mean(self, snapshot: Snapshot, request: RequestSummary) -> list[ReplicaView]:
-        fresh = snapshot.fresh_ids()
-        if not fresh:
-            return []
-        limit = self.params.fresh_until_mean_ratio * snapshot.mean_load()
-        views = (snapshot.usable(rid, request) for rid in fresh)
-        return [r for r in views
-                if r is not None and not self.overloaded(r) and (r.load < limit or r.load == 0)]
-
-    def _cheapest(
-        self,
-        pool: list[ReplicaView],
-        request: RequestSummary,
-        rng: random.Random,
-        reason: str,
-        *,
-        placement: bool = True,
-    ) -> tuple[ReplicaView, str]:
-        p = self.params
-        usable = [r for r in pool if not self.overloaded(r)]
-        if not usable:
-            usable, reason = pool, "fallback"
-        costs = expected_costs(p.cost, usable, request, placement=placement)
-        best = min(costs)
-        ties = [r for c, r in zip(costs, usable) if c <= best * (1 + p.tie_tolerance) + p.tie_abs_s]
-        if len(ties) == 1:
-            return ties[0], reason
-        a, b = rng.sample(ties, 2)  # power of two choices among near-equal costs
-        return (a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b), reason

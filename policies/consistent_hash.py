@@ -13,7 +13,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Decision, RequestSummary, Snapshot
+from .base import Capabilities, Decision, RequestSummary, Snapshot
 
 
 def _h(data: str) -> int:
@@ -27,6 +27,7 @@ class ConsistentHashParams(BaseModel):
 
 class ConsistentHash:
     name = "consistent_hash"
+    capabilities = Capabilities()  # ignores session homes
 
     def __init__(self, params: ConsistentHashParams | None = None) -> None:
         self.params = params or ConsistentHashParams()

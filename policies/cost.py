@@ -1,8 +1,11 @@
 """Expected time-to-first-token of a request on a replica: the quantity placement minimises.
 
-    cost = queueing + prefill(uncached | cached prefix) + host load-back
+    cost = queueing + decode batch + prefill(uncached | cached prefix) + host load-back
+         + KV pressure (token_usage past capacity_target)
          + KV demand (homed sessions' context / capacity) + homed sessions (their future load)
-         + capacity penalty (past capacity_target)
+         + capacity penalty (homed KV past capacity_target)
+
+The last three count only when placing a session (`placement`), not for one overflow request.
 
 Defaults are the roofline of the reference replica (Kimi K2.6 NVFP4 on 4xB200, see
 loadtest/profiles/kimi-k2.6-b200-tp4.yaml): 2 x 32e9 active FLOPs per token and 2.5e6 attention
@@ -17,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import ReplicaView, RequestSummary
 
+# KV capacity (tokens) of the reference replica, assumed until a replica reports its own
+# max_total_num_tokens: the one routing default the policy, the engine and the KV index share.
+DEFAULT_CAPACITY_TOKENS = 444_672
+
 
 class CostParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -27,7 +34,7 @@ class CostParams(BaseModel):
     queue_s_per_waiting: float = Field(0.5, ge=0, description="Expected wait per request queued ahead (a typical prefill).")
     decode_s_per_running: float = Field(0.01, ge=0, description="Small per-running-request term: spreads decode batches.")
     max_running: int = Field(40, ge=1, description="Requests a replica runs before new ones wait (slots).")
-    default_capacity_tokens: int = Field(444_672, gt=0, description="KV capacity assumed until a replica reports max_total_num_tokens.")
+    default_capacity_tokens: int = Field(DEFAULT_CAPACITY_TOKENS, gt=0, description="KV capacity assumed until a replica reports max_total_num_tokens.")
     capacity_target: float = Field(0.9, gt=0, le=1.0, description="Fraction of KV capacity homed sessions may fill before the penalty starts.")
     capacity_weight: float = Field(1.0, ge=0, description="Weight of the re-prefill cost of KV this placement would push out.")
     kv_demand_s: float = Field(0.5, ge=0, description="Cost (s) per full KV of context homed on the replica: spreads sessions' KV before any eviction.")

@@ -1,15 +1,16 @@
 """least_load: the replica with the fewest requests (polled running+queued or own in-flight).
-Ties are broken by power of two choices. Ignores cache entirely. A baseline."""
+Ties are broken uniformly at random (the injected rng). Ignores cache entirely. A baseline."""
 
 from __future__ import annotations
 
 import random
 
-from .base import Decision, RequestSummary, Snapshot
+from .base import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class LeastLoad:
     name = "least_load"
+    capabilities = Capabilities()  # ignores session homes
 
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random

@@ -13,7 +13,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Decision, RequestSummary, Snapshot
+from .base import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class PrefixAwareParams(BaseModel):
@@ -25,6 +25,7 @@ class PrefixAwareParams(BaseModel):
 
 class PrefixAware:
     name = "prefix_aware"
+    capabilities = Capabilities()  # ignores session homes
 
     def __init__(self, params: PrefixAwareParams | None = None) -> None:
         self.params = params or PrefixAwareParams()

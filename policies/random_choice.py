@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
-from .base import Decision, RequestSummary, Snapshot
+from .base import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class RandomChoice:
     name = "random"
+    capabilities = Capabilities()  # ignores session homes
 
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
-from .base import Decision, RequestSummary, Snapshot
+from .base import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class RoundRobin:
     name = "round_robin"
+    capabilities = Capabilities()  # ignores session homes
 
     def __init__(self) -> None:
         self._next = 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
+from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
 from .placement import Placement
 from .replicas import ReplicaRegistry
@@ -39,7 +40,7 @@ class RoutingEngine:
         table: SessionTable,
         rng: random.Random,
         match_limit: int = 32,
-        default_capacity_tokens: int = 444_672,
+        default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.metrics = metrics  # the live router's (decisions, in-flight, cached tokens); None in the simulator
@@ -122,14 +123,6 @@ class RoutingEngine:
             return 0.0, 0.0, 0.0
         return mean, max(loads) / mean, statistics.pstdev(loads) / mean
 
-    def _policy_param(self, *path: str, default: float) -> float:
-        """A policy parameter the housekeeping shares with the policy (e.g. cost.capacity_target);
-        `default` for policies without it."""
-        value: object = getattr(self.policy, "params", None)
-        for name in path:
-            value = getattr(value, name, None)
-        return float(value) if isinstance(value, (int, float)) else default
-
     def settle_fresh(self) -> None:
         """A fresh replica whose load reached `fresh_until_mean_ratio` x the cluster mean is an
         ordinary replica again."""
@@ -137,7 +130,7 @@ class RoutingEngine:
         mean = snapshot.mean_load()
         if mean <= 0:
             return
-        limit = self._policy_param("fresh_until_mean_ratio", default=1.0) * mean
+        limit = self.policy.capabilities.fresh_until_mean_ratio * mean
         for replica_id in snapshot.fresh_ids():
             view = snapshot.get(replica_id)
             if view is not None and view.load >= limit:
@@ -163,7 +156,8 @@ class RoutingEngine:
            sessions idle for `min_idle_s` or more, least recently active first, since under LRU
            their cache is the one already evicted and the move costs them nothing extra (moving
            recently active ones cost more cold prefills than it saved, in the simulator)."""
-        if not getattr(self.policy, "uses_affinity", False) or max_moves <= 0:
+        capabilities = self.policy.capabilities
+        if not capabilities.uses_affinity or max_moves <= 0:
             return []  # hash and load baselines ignore homes: moving one would change nothing
         views = [v for v in self.registry.snapshot().replicas if v.healthy]
         if not views:
@@ -177,10 +171,8 @@ class RoutingEngine:
         for m in moves:
             sessions[m.source] -= 1
             sessions[m.target] += 1
-        fill = self._policy_param("cost", "capacity_target", default=0.9)
-        default_capacity = self._policy_param(
-            "cost", "default_capacity_tokens", default=self.default_capacity_tokens
-        )
+        fill = capabilities.capacity_target
+        default_capacity = capabilities.default_capacity_tokens or self.default_capacity_tokens
         full = {v.id: float(v.max_total_num_tokens or default_capacity) for v in views}
         capacity = {v.id: fill * full[v.id] for v in views}
         for hot in sorted(views, key=lambda v: -demand[v.id] / full[v.id]):

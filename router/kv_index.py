@@ -1,7 +1,8 @@
 """An approximate, capacity-aware shadow of which prefix blocks each replica holds.
 
-Recorded at dispatch (the replica will cache the prompt), bounded per replica by that replica's
-KV capacity (max_total_num_tokens) in blocks, LRU. Blocks are touched leaf-first so a prefix's
+Recorded when a replica accepts a request (it answered with a status the router does not retry,
+so it will cache the prompt; a refused or unreachable attempt records nothing), bounded per replica
+by that replica's KV capacity (max_total_num_tokens) in blocks, LRU. Blocks are touched leaf-first so a prefix's
 root is always more recent than its tail: eviction trims conversations from the end, as SGLang's
 radix cache evicts leaves, and a surviving root never points at an evicted middle.
 Synchronous and lock-free: the event loop is the only writer.
@@ -13,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 from typing import Protocol
 
+from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
 
 
@@ -20,7 +22,7 @@ _ABSENT = object()
 
 
 class ShadowKVIndex:
-    def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = 444_672) -> None:
+    def __init__(self, block_tokens: int = 64, default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS) -> None:
         self.block_tokens = block_tokens
         self.default_capacity_tokens = default_capacity_tokens
         self._holders = BlockHolders()

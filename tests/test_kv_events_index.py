@@ -13,7 +13,8 @@ import pytest
 
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_kv_publisher import SimKVPublisher
-from kvrouter.loadtest.sim_server import SIM_KEY, build_app, kv_token_ids
+from kvrouter.loadtest.sim_prompt import kv_token_ids
+from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.metrics import kv_events as kve
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.router.config import ConfigError, KVEventsConfig, parse_config
@@ -22,7 +23,7 @@ from kvrouter.router.kv_events_subscriber import KVEventSubscriber
 from kvrouter.router.tokenizers import input_ids
 
 PS = 16  # tiny profile page size
-SIM_TOKENIZER = "kvrouter.loadtest.sim_server:kv_token_ids"
+SIM_TOKENIZER = "kvrouter.loadtest.sim_prompt:kv_token_ids"
 
 
 def stored(hashes: list[int], medium: str | None = kve.MEDIUM_GPU) -> kve.BlockStored:

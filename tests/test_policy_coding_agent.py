@@ -171,7 +171,7 @@ def test_an_overloaded_fresh_replica_takes_no_new_sessions():
 
 
 def test_batched_costs_equal_one_by_one():
-    """_cheapest costs its candidates in one loop (policies/cost.py: expected_costs); each value
+    """The ExpectedCost step costs its candidates in one loop (policies/cost.py: expected_costs); each value
     must be exactly the single-replica cost, with the home's own context not counted twice."""
     from kvrouter.policies.cost import CostParams, expected_cost, expected_costs
 

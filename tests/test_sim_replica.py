@@ -23,7 +23,9 @@ from kvrouter.cli import build_parser
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.profiles import load_profile
 from kvrouter.loadtest.radix_cache import DEVICE, page_keys
-from kvrouter.loadtest.sim_server import SIM_KEY, SimReplica, build_app, render_chat
+from kvrouter.loadtest.sim_prompt import render_chat
+from kvrouter.loadtest.sim_replica import SimReplica
+from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.metrics import kv_events as kve
 from kvrouter.metrics import sglang as sg
 

@@ -1,0 +1,454 @@
+"""One simulated SGLang replica behind its HTTP surface: the model, its clock and the request API.
+
+The pure :class:`~kvrouter.loadtest.replica_model.ReplicaModel` decides everything that takes
+time (queueing, prefill with prefix-cache hits, decode, eviction); :class:`SimReplica` gives it a
+clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md``):
+
+* clock: model time = (wall monotonic - start) x ``time_scale``. One driver task sleeps until
+  the model's ``next_event_time()`` (in wall time) or until a submit/abort wakes it, calls
+  ``advance(now)`` and resolves the waiting requests. Streams poll ``progress(rid, now)`` at
+  least every ``stream_interval_s`` of wall time, so tokens arrive over time.
+* text: prompts are tokenized with ``loadtest/tokenizer`` (chat messages rendered first, see
+  ``loadtest/sim_prompt.py``); the output is ``tokenizer.synthetic_text`` of the chosen
+  length, and the pages a request leaves in the cache are those of ``prompt + output``, so the
+  next turn of a conversation (whose history carries this reply) hits them.
+* cache namespaces: served model name + ``extra_key`` / ``cache_salt`` / ``lora_path``.
+* output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
+  deterministic draw from (seed, rid) capped by it.
+
+Times reported (``e2e_latency``, the latency histograms) are model seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from ..metrics import sglang as sg
+from ..metrics.kv_events import request_namespace
+from . import tokenizer
+from .profiles import Profile, load_profile
+from .radix_cache import page_keys
+from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
+from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
+from .sim_metrics import Histogram, SimCollector
+
+log = logging.getLogger("kvrouter.sim")
+
+DEFAULT_CONTEXT_LEN = 262144
+STREAM_INTERVAL_S = 0.02
+
+
+class SimError(Exception):
+    """A request SGLang would reject with 400."""
+
+
+@dataclass(eq=False)
+class SimReq:
+    rid: str
+    prompt_len: int
+    output_len: int
+    output_text: str
+    finish_kind: str  # "length" | "stop"
+    submit_time: float  # model seconds
+    namespace: str
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    first: FirstToken | None = None
+    finished: Finished | None = None
+    emitted: int = 0  # output tokens handed to the client so far
+    aborted: str | None = None  # abort message
+
+    @property
+    def over(self) -> bool:
+        return self.finished is not None or self.aborted is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        if self.finished is not None:
+            return self.finished.cached_tokens
+        return self.first.cached_tokens if self.first is not None else 0
+
+
+class SimReplica:
+    """One simulated replica: the model, its clock, the driver task and the request API."""
+
+    def __init__(
+        self,
+        profile: Profile | str = "tiny",
+        *,
+        time_scale: float = 1.0,
+        seed: int = 0,
+        served_model_name: str | None = None,
+        enable_cache_report: bool = True,
+        enable_metrics: bool = True,
+        max_running_requests: int | None = None,
+        page_size: int | None = None,
+        context_length: int | None = None,
+        kv_events_config: str | dict[str, Any] | None = None,
+        output_len_median: int = 256,
+        stream_interval_s: float = STREAM_INTERVAL_S,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(profile, str):
+            profile = load_profile(profile)
+        update: dict[str, Any] = {}
+        if max_running_requests is not None:
+            update["max_running_requests"] = max_running_requests
+        if page_size is not None:
+            update["page_size"] = page_size
+        if update:
+            profile = Profile.model_validate({**profile.model_dump(), **update})
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.profile = profile
+        self.time_scale = float(time_scale)
+        self.seed = seed
+        self.served_model_name = served_model_name or profile.name
+        self.enable_cache_report = enable_cache_report
+        self.enable_metrics = enable_metrics
+        self.context_len = context_length or DEFAULT_CONTEXT_LEN
+        self.output_len_median = max(1, output_len_median)
+        self.stream_interval_s = stream_interval_s
+        self.host, self.port = host, port
+        self._clock = clock
+        self._t0 = clock()
+        self.kv_events_config = parse_kv_events_config(kv_events_config)
+        self.publisher: SimKVPublisher | None = None
+        if self.kv_events_config is not None:
+            self.publisher = publisher_from_config(
+                self.kv_events_config, profile.page_size, self.served_model_name
+            )
+        self.model = ReplicaModel(profile, kv_sink=self.publisher)
+        self._reqs: dict[str, SimReq] = {}
+        self._rid_rng = random.Random(seed)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.failed: str | None = None  # set when the driver died on a model error
+        self.scheduler_label_values = (self.served_model_name, "unified", "0", "0", "0")
+        self.tokenizer_label_values = (self.served_model_name, "unified")
+        self.histograms: dict[str, Histogram] = {
+            spec.base: Histogram(spec.buckets or ())
+            for spec in sg.METRIC_SPECS
+            if spec.type == "histogram"
+        }
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SimCollector(self))  # type: ignore[arg-type]
+        self.created = int(time.time())
+
+    # -- clock ------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return (self._clock() - self._t0) * self.time_scale
+
+    def wall_delay(self, model_time: float) -> float:
+        return max(0.0, (model_time - self.now()) / self.time_scale)
+
+    # -- driver -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._drive(), name="sim-driver")
+        if self.publisher is not None:
+            self.publisher.start()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for st in list(self._reqs.values()):
+            st.aborted = st.aborted or "server shutting down"
+            st.changed.set()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def poll(self) -> float:
+        """Advance the model to now and deliver its events; returns now (model seconds)."""
+        now = self.now()
+        for ev in self.model.advance(now):
+            if isinstance(ev, FirstToken):
+                self._on_first(ev)
+            elif isinstance(ev, Finished):
+                self._on_finished(ev)
+        self._publish()
+        return now
+
+    def _publish(self) -> None:
+        if self.publisher is not None:
+            self.publisher.flush()
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            try:
+                self.poll()
+            except Exception as exc:  # a model bug must not silently stall every request
+                log.exception("sim replica: model step failed")
+                self.failed = f"simulated replica failed: {exc!r}"
+                for st in list(self._reqs.values()):
+                    st.aborted = self.failed
+                    st.changed.set()
+                self._reqs.clear()
+                raise
+            t = self.model.next_event_time()
+            handle = None
+            if t is not None:
+                handle = loop.call_later(self.wall_delay(t), self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    def _on_first(self, ev: FirstToken) -> None:
+        st = self._reqs.get(ev.rid)
+        self.histograms[sg.TIME_TO_FIRST_TOKEN_SECONDS].observe(ev.ttft)
+        self.histograms[sg.QUEUE_TIME_SECONDS].observe(ev.queue_time)
+        if st is not None:
+            st.first = ev
+            st.changed.set()
+
+    def _on_finished(self, ev: Finished) -> None:
+        st = self._reqs.pop(ev.rid, None)
+        if st is None:
+            return
+        self.histograms[sg.E2E_REQUEST_LATENCY_SECONDS].observe(ev.time - st.submit_time)
+        if st.first is not None and ev.completion_tokens > 1:
+            # observe_inter_token_latency: interval / n tokens into one bucket, n times; the
+            # whole interval into _sum.
+            interval = ev.time - st.first.time
+            n = ev.completion_tokens - 1
+            self.histograms[sg.INTER_TOKEN_LATENCY_SECONDS].observe(interval / n, n, interval)
+        st.finished = ev
+        st.changed.set()
+
+    # -- request API ------------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return "%032x" % self._rid_rng.getrandbits(128)
+
+    def namespace(self, body: dict[str, Any]) -> str:
+        return request_namespace(self.served_model_name, body)
+
+    def _seed_for(self, rid: str) -> int:
+        h = hashlib.blake2b(f"{self.seed}\x1f{rid}".encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little")
+
+    def choose_output_len(self, rid: str, cap: int, ignore_eos: bool) -> tuple[int, str]:
+        cap = max(1, cap)
+        if ignore_eos:
+            return cap, "length"
+        rng = random.Random(self._seed_for(rid))
+        draw = max(1, int(round(rng.lognormvariate(math.log(self.output_len_median), 0.75))))
+        if draw >= cap:
+            return cap, "length"
+        return draw, "stop"
+
+    def submit(
+        self,
+        *,
+        prompt_text: str | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int | None,
+        ignore_eos: bool = False,
+        rid: str | None = None,
+        namespace: str | None = None,
+    ) -> SimReq:
+        """Tokenize, choose the output, and hand the request to the model (raises SimError)."""
+        if self.failed is not None:
+            raise SimError(self.failed)
+        if input_ids is not None:
+            prompt_len = len(input_ids)
+        else:
+            prompt_len = tokenizer.count_tokens(prompt_text or "")
+        if prompt_len < 1:
+            raise SimError("The input is empty.")
+        if prompt_len >= self.context_len:
+            raise SimError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)."
+            )
+        if max_new_tokens is not None:
+            if max_new_tokens < 0:
+                raise SimError("max_new_tokens must be at least 0, got %d." % max_new_tokens)
+            if prompt_len + max_new_tokens > self.context_len:
+                raise SimError(
+                    f"Requested token count exceeds the model's maximum context length of "
+                    f"{self.context_len} tokens. You requested a total of "
+                    f"{prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the input "
+                    f"messages and {max_new_tokens} tokens for the completion. Please reduce "
+                    f"the number of tokens in the input messages or the completion to fit "
+                    f"within the limit."
+                )
+            cap = max_new_tokens
+        else:
+            cap = self.context_len - prompt_len
+        rid = rid or self.new_rid()
+        if rid in self._reqs:
+            raise SimError(f"Duplicate request ID: {rid}")
+        out_len, kind = self.choose_output_len(rid, cap, ignore_eos)
+        out_text = tokenizer.synthetic_text(out_len, self._seed_for(rid) & 0x7FFFFFFF)
+        if input_ids is not None:
+            all_tokens = list(input_ids) + tokenizer.encode(out_text)
+        else:
+            all_tokens = tokenizer.encode((prompt_text or "") + out_text)
+        ns = namespace if namespace is not None else self.served_model_name
+        keys = page_keys(all_tokens, self.profile.page_size, ns)
+        if self.publisher is not None and keys:
+            self.publisher.note_root(keys[0], ns)
+        now = self.now()
+        try:
+            self.model.submit(
+                SimRequest(rid, prompt_len, out_len, keys, all_tokens), now
+            )
+        except ValueError as exc:
+            raise SimError(str(exc)) from exc
+        st = SimReq(rid, prompt_len, out_len, out_text, kind, now, ns)
+        self._reqs[rid] = st
+        self._publish()
+        self.wake()
+        return st
+
+    def abort(self, rid: str, message: str = "Abort request.") -> bool:
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False
+        self.model.abort(rid, self.now())
+        st.aborted = message
+        st.changed.set()
+        self._publish()
+        self.wake()
+        return True
+
+    def abort_all(self, message: str = "Abort all requests.") -> int:
+        return sum(self.abort(rid, message) for rid in list(self._reqs))
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache``: refused (False) while requests are running or waiting."""
+        self.poll()
+        ok = self.model.flush_cache()
+        self._publish()
+        return ok
+
+    def running_rids(self) -> list[str]:
+        return list(self._reqs)
+
+    async def progress(self, st: SimReq) -> AsyncIterator[int]:
+        """Cumulative output-token counts as they grow (first value at the first token);
+        ends when the request finished or was aborted."""
+        last = 0
+        while True:
+            st.changed.clear()
+            if st.finished is not None:
+                if st.output_len > last:
+                    st.emitted = st.output_len
+                    yield st.output_len
+                return
+            if st.aborted is not None:
+                return
+            if st.first is not None:
+                n = self.model.progress(st.rid, self.now())
+                if n > last:
+                    last = st.emitted = n
+                    yield n
+                    continue
+                timeout: float | None = self.stream_interval_s
+            else:
+                timeout = None
+            try:
+                async with asyncio.timeout(timeout):
+                    await st.changed.wait()
+            except TimeoutError:
+                pass
+
+    async def wait(self, st: SimReq) -> None:
+        while not st.over:
+            st.changed.clear()
+            if st.over:
+                break
+            await st.changed.wait()
+
+    def release(self, st: SimReq) -> None:
+        """Handler exit: a request that did not finish is aborted in the model (client gone)."""
+        if not st.over:
+            self.abort(st.rid, "The client disconnected.")
+
+    # -- load views -------------------------------------------------------------------------------
+    def decode_sum_seq_lens(self, now: float) -> int:
+        total = 0
+        for st in self._reqs.values():
+            if st.first is not None and st.finished is None:
+                total += st.prompt_len + self.model.progress(st.rid, now)
+        return total
+
+    def waiting_tokens(self) -> int:
+        return sum(st.prompt_len for st in self._reqs.values() if st.first is None)
+
+    def spec_accept_rate(self) -> float:
+        p = self.profile
+        if p.spec_verify_tokens <= 1:
+            return 0.0
+        return (p.spec_accept_length - 1.0) / (p.spec_verify_tokens - 1)
+
+    def loads_entry(self, sections: set[str]) -> dict[str, Any]:
+        self.poll()
+        now = self.now()
+        load = self.model.load(now)
+        p = self.profile
+        every = "all" in sections
+        entry: dict[str, Any] = {
+            "dp_rank": 0,
+            "timestamp": time.time(),
+            "num_running_reqs": load.num_running_reqs,
+            "num_waiting_reqs": load.num_queue_reqs,
+            "num_used_tokens": load.num_used_tokens,
+            "num_total_tokens": load.num_used_tokens + self.waiting_tokens(),
+            "max_total_num_tokens": load.max_total_num_tokens,
+            "token_usage": round(load.token_usage, 4),
+            "gen_throughput": round(load.gen_throughput, 2),
+            "cache_hit_rate": round(load.cache_hit_rate, 4),
+            "utilization": round(load.num_running_reqs / p.max_running_requests, 4),
+            "max_running_requests": p.max_running_requests,
+            "memory": None,
+            "speculative": None,
+            "lora": None,
+            "disaggregation": None,
+            "queues": None,
+        }
+        if every or "memory" in sections:
+            entry["memory"] = {
+                "weight_gb": round(p.n_total_params * p.weight_bytes_per_param / p.gpus / 1e9, 2),
+                "kv_cache_gb": round(p.max_total_num_tokens * p.kv_bytes_per_token / 1e9, 2),
+                "graph_gb": 0.0,
+                "token_capacity": p.max_total_num_tokens,
+            }
+        if (every or "spec" in sections) and p.spec_verify_tokens > 1:
+            entry["speculative"] = {
+                "accept_length": round(load.spec_accept_length, 4),
+                "accept_rate": round(self.spec_accept_rate(), 4),
+            }
+        if every or "queues" in sections:
+            entry["queues"] = {
+                "waiting": load.num_queue_reqs,
+                "grammar": 0,
+                "paused": 0,
+                "retracted": 0,
+            }
+        return entry
+
+

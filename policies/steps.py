@@ -1,0 +1,111 @@
+"""The steps coding_agent's placement is built from: candidates -> filter -> score -> pick.
+
+Each step is a small pure object, unit-testable on hand-built views:
+- candidates  `CandidateSampler`: prefix holders first, then a random sample (power of d choices);
+              `fresh_below_mean`: fresh replicas still below the fleet's mean load.
+              Both yield only usable replicas (healthy, not already tried by this request).
+- filter      `HighWater`: drops replicas above a high-water mark (running+queued, queue,
+              token_usage); `without`: drops one replica (the home, when shedding overflow).
+- score       `ExpectedCost`: expected time to first token (policies/cost.py), lower is better.
+- pick        `NearTiePowerOfTwo`: the cheapest, or among near-ties the less loaded of two drawn.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .base import ReplicaView, RequestSummary, Snapshot
+from .cost import CostParams, expected_costs
+
+
+# -- candidates ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CandidateSampler:
+    """Replicas worth costing: up to half of `max_candidates` holding the most of the prefix
+    (equal matches, such as a system prompt every replica holds, in random order), then a random
+    sample; the whole fleet when it is that small. Holders never crowd out the sample, or a shared
+    prefix would keep new sessions on the replicas that already have sessions."""
+
+    max_candidates: int
+
+    def __call__(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> list[ReplicaView]:
+        cached = request.cached_tokens
+        ranked = sorted(cached.items(), key=lambda kv: (-kv[1], kv[0]))  # stable before drawing
+        holders = [r for _, _, r in sorted((-c, rng.random(), r) for r, c in ranked)]
+        half = self.max_candidates // 2
+        return snapshot.sample(request, self.max_candidates, rng, first=holders[:half])
+
+
+def fresh_below_mean(
+    snapshot: Snapshot, request: RequestSummary, ratio: float, high_water: "HighWater"
+) -> list[ReplicaView]:
+    """Usable fresh replicas under their high-water marks whose load is still below `ratio` x the
+    fleet's mean load (or zero: an idle fleet's fresh replicas are below any mean)."""
+    fresh = snapshot.fresh_ids()
+    if not fresh:
+        return []
+    limit = ratio * snapshot.mean_load()
+    views = (snapshot.usable(rid, request) for rid in fresh)
+    return [r for r in views
+            if r is not None and not high_water.overloaded(r) and (r.load < limit or r.load == 0)]
+
+
+# -- filters -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HighWater:
+    """The high-water marks: a replica above any of them takes no new work while another can."""
+
+    max_running: int  # running+queued requests (`ReplicaView.load`)
+    max_queue: int  # requests queued at the replica
+    max_token_usage: float  # SGLang token_usage
+
+    def overloaded(self, r: ReplicaView) -> bool:
+        return (
+            r.load >= self.max_running
+            or (r.num_queue_reqs or 0) > self.max_queue
+            or (r.token_usage or 0.0) > self.max_token_usage
+        )
+
+    def __call__(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return [r for r in candidates if not self.overloaded(r)]
+
+
+def without(candidates: Sequence[ReplicaView], replica_id: str) -> list[ReplicaView]:
+    """The candidates other than `replica_id`."""
+    return [r for r in candidates if r.id != replica_id]
+
+
+# -- scorer --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ExpectedCost:
+    """Seconds to first token on each candidate (lower is better). With `placement` (a session
+    being homed there) the score also counts the KV and sessions already homed there."""
+
+    params: CostParams
+    placement: bool = True
+
+    def __call__(self, candidates: Sequence[ReplicaView], request: RequestSummary) -> list[float]:
+        return expected_costs(self.params, candidates, request, placement=self.placement)
+
+
+# -- picker --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NearTiePowerOfTwo:
+    """The lowest score; when several are within `tolerance` (relative) + `abs_s` of it, two of
+    those drawn at random and the one with less load (then less homed KV) wins: never index order,
+    so equal-cost replicas share new sessions instead of the first one taking them all."""
+
+    tolerance: float
+    abs_s: float
+
+    def __call__(
+        self, candidates: Sequence[ReplicaView], scores: Sequence[float], rng: random.Random
+    ) -> ReplicaView:
+        limit = min(scores) * (1 + self.tolerance) + self.abs_s
+        ties = [r for c, r in zip(scores, candidates) if c <= limit]
+        if len(ties) == 1:
+            return ties[0]
+        a, b = rng.sample(ties, 2)
+        return a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b
