@@ -49,6 +49,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_scenarios as sc  # noqa: E402
+from portable import portable_command  # noqa: E402
 from kvrouter.loadtest.compare import free_port  # noqa: E402
 
 
@@ -260,7 +261,7 @@ def main() -> int:
             parser.error("--upstream uvicorn needs fastapi and uvicorn (pip install -e '.[bench]')")
     up_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    result: dict[str, Any] = {"command": " ".join(shlex.quote(a) for a in sys.argv),
+    result: dict[str, Any] = {"command": portable_command(sys.argv),
                               "machine": machine(), "upstream": args.upstream,
                               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with contextlib.ExitStack() as stack:
@@ -283,7 +284,7 @@ def main() -> int:
             procs[name] = stack.enter_context(process(cmd, port, name))
             targets[name] = f"http://127.0.0.1:{port}"
         pids = {n: p.pid for n, p in procs.items()}
-        result["targets"] = {n: " ".join(p.args) for n, p in procs.items()}  # type: ignore[arg-type]
+        result["targets"] = {n: portable_command(p.args) for n, p in procs.items()}  # type: ignore[arg-type]
         result.update(asyncio.run(measure(args, targets, pids)))
     if not args.no_scaling:
         with process([sys.executable, str(HERE / "upstream.py"), str(up_port), "--server", "raw"],

@@ -21,8 +21,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 import redis.asyncio as aioredis  # noqa: E402
+from portable import portable_command  # noqa: E402
 
 from kvrouter.router.affinity import _GET  # noqa: E402
 from kvrouter.router.redis_pipe import PipelinedRedis, Script  # noqa: E402
@@ -93,7 +95,7 @@ def main() -> int:
         print(f"redis-py / pipelined CPU per call, {c}: "
               f"{result['redis-py'][c]['cpu_us_per_call'] / result['pipelined'][c]['cpu_us_per_call']:.1f}x")
     if args.json:
-        out = {"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
+        out = {"command": portable_command(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

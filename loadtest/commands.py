@@ -22,11 +22,13 @@ from .compare import (
     CompareConfig,
     CompareError,
     RunData,
+    failures_table,
     markdown_table,
     parse_external,
     run_compare,
     write_outputs,
 )
+from .fit import limits_for_profile, limits_from_metrics, refusal
 from .report import RequestRecord
 from .workload import WorkloadConfigError, load_workload
 
@@ -105,6 +107,22 @@ def _trace_sessions(path: str) -> Any:
     return fn(path, max_context_tokens=TRACE_MAX_CONTEXT_TOKENS)
 
 
+def _metrics_limits(urls: list[str]) -> Any:
+    """The first replica's per-request limits from its /metrics page (None if unreadable)."""
+    import urllib.request
+
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode("utf-8", "replace")
+        except (OSError, ValueError):
+            continue
+        limits = limits_from_metrics(text, f"replica {url}")
+        if limits is not None:
+            return limits
+    return None
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     given = sum(x is not None for x in (args.users, args.arrival_rate, args.trace))
     if given != 1:
@@ -125,6 +143,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     except WorkloadConfigError as exc:
         _err(str(exc))
         return 2
+    if arrivals is None and args.replica_metrics:
+        limits = _metrics_limits(args.replica_metrics)
+        why = refusal(workload, limits, args.seed) if limits is not None else None
+        if why:
+            _err(f"loadtest: {why}")
+            return 2
     from .driver import run_load
 
     records: list[RequestRecord] = []
@@ -144,6 +168,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     result = report["results"][args.contender]
     run = RunData(args.contender, args.users or 0, result, time.monotonic() - t0)
     print(markdown_table([run]))
+    if failures_table([run]):
+        print("\nfailed requests by reason:\n" + failures_table([run]))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +227,8 @@ def _run_and_report(
     print()
     print(markdown_table(runs))
     print()
+    if failures_table(runs):
+        print("failed requests by reason:\n" + failures_table(runs) + "\n")
     for path in written:
         print(f"wrote {path}")
     if out_dir is not None and not any(p.suffix == ".png" for p in written):
@@ -221,8 +249,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             warm_start=args.warm_start, warmup_s=args.warmup,
         )
         cfg.contenders()
-    except (ValueError, WorkloadConfigError) as exc:
+        why = refusal(load_workload(cfg.workload), limits_for_profile(cfg.profile), cfg.seed)
+    except (OSError, ValueError, WorkloadConfigError) as exc:
         _err(f"compare: {exc}")
+        return 2
+    if why:
+        _err(f"compare: {why}")
         return 2
     out_dir = Path(args.out_dir) if args.out_dir else None
     json_path = Path(args.json) if args.json else None
@@ -242,6 +274,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "--duration", f"{args.duration:g}", "--time-scale", f"{args.time_scale:g}", "--ramp", f"{args.ramp:g}",
         "--warmup", f"{args.warmup:g}", "--seed", str(args.seed),
     ]) + "\n# same as: " + _compare_command(cfg, out_dir, None)
+    why = refusal(load_workload(cfg.workload), limits_for_profile(cfg.profile), cfg.seed)
+    if why:
+        _err(f"demo: {why}")
+        return 2
     model_min = args.duration * args.time_scale / 60
     estimate_min = (len(DEMO_POLICIES) * (args.duration + 6) + 5) / 60
     print(

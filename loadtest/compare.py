@@ -517,6 +517,18 @@ def markdown_table(runs: Sequence[RunData]) -> str:
     return "\n".join(lines)
 
 
+def failures_table(runs: Sequence[RunData]) -> str:
+    """Failed requests of every run by reason (HTTP status, message); "" when none failed."""
+    rows = [(r, f) for r in runs for f in r.result.get("failures") or ()]
+    if not rows:
+        return ""
+    lines = ["| contender | users | status | reason | requests |", "|---|---|---|---|---:|"]
+    for r, f in rows:
+        message = str(f["message"]).replace("|", "\\|")
+        lines.append(f"| {r.contender} | {r.users or '-'} | {f['status'] or '-'} | {message} | {f['count']} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # charts
 # ----------------------------------------------------------------------------------------------
@@ -685,6 +697,10 @@ def report_markdown(cfg: CompareConfig, report: dict[str, Any], runs: Sequence[R
         "across replicas (mean over samples); `sessions/replica` = distinct sessions each replica served.",
         "",
     ]
+    failures = failures_table(runs)
+    if failures:
+        lines += ["Failed requests by reason (HTTP status or SSE error code, message with numbers as N):", "",
+                  failures, ""]
     if charts:
         lines += [f"![{f[:-4]}]({f})" for f in CHART_FILES] + [""]
     else:

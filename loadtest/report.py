@@ -6,7 +6,8 @@ same way. All times are model-time seconds. The contract (schema 1)::
     {"schema": 1, "workload": {...}, "results": {"<contender>": {
         "requests_ok", "requests_failed", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "itl_p50_s",
         "output_tps_per_user", "tokens_per_min_per_replica", "cache_hit_rate", "e2e_p95_s",
-        "load_max_over_mean", "load_cv", "sessions_per_replica": [...]}}}
+        "load_max_over_mean", "load_cv", "sessions_per_replica": [...],
+        "failures": [{"status", "message", "count"}, ...]}}}
 
 A value with no data behind it (no successful request, no load sample) is ``None`` (JSON null).
 Definitions:
@@ -19,13 +20,18 @@ Definitions:
 - ``load_max_over_mean`` / ``load_cv``: per load sample (running requests of every replica),
   max/mean and population std/mean, averaged over the samples whose mean is > 0;
 - ``sessions_per_replica``: distinct sessions that sent at least one request to each replica,
-  ordered by replica name; empty when replicas were not reported.
+  ordered by replica name; empty when replicas were not reported;
+- ``failures``: failed requests grouped by reason: the HTTP status (or the SSE error event's code;
+  null for a failure without one) and the error message with its numbers and ids replaced by
+  ``N``, most frequent first.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -36,6 +42,7 @@ __all__ = [
     "percentile",
     "load_imbalance",
     "summarize_requests",
+    "failure_reason",
     "build_report",
 ]
 
@@ -54,6 +61,7 @@ RESULT_KEYS = (
     "load_max_over_mean",
     "load_cv",
     "sessions_per_replica",
+    "failures",
 )
 
 
@@ -107,6 +115,40 @@ def load_imbalance(samples: Iterable[Sequence[float]]) -> tuple[float | None, fl
     return statistics.fmean(ratios), statistics.fmean(cvs)
 
 
+_HTTP = re.compile(r"HTTP (\d{3}): ?(.*)", re.S)
+_MESSAGE = re.compile(r"""["']message["']\s*:\s*(?:"((?:[^"\\]|\\.)*)"|'((?:[^'\\]|\\.)*)')""", re.S)
+_CUT_MESSAGE = re.compile(r"""["']message["']\s*:\s*["'](.*)""", re.S)  # body cut short by the driver
+_CODE = re.compile(r"""["']code["']\s*:\s*(\d{3})\b""")
+_NUMBER = re.compile(r"[\w.,-]*\d[\w.,-]*")  # numbers and ids (request ids, addresses)
+
+
+def failure_reason(error: str | None) -> tuple[int | None, str]:
+    """``(status, message)`` of a failed request's error text, as the load driver writes it:
+    ``HTTP <status>: <body>``, ``SSE error: <error object>``, or a client-side description.
+    Numbers and words with digits (request ids, addresses) become ``N``: one cause, one group."""
+    text = (error or "unknown").strip()
+    status: int | None = None
+    http = _HTTP.match(text)
+    if http:
+        status, text = int(http.group(1)), http.group(2)
+    message = _MESSAGE.search(text) or _CUT_MESSAGE.search(text)
+    if status is None:
+        code = _CODE.search(text)
+        status = int(code.group(1)) if code else None
+    if message:
+        text = next(g for g in message.groups() if g is not None)
+    elif text.startswith("SSE error:"):
+        text = text[len("SSE error:"):].strip()
+    text = " ".join(text.split())[:160] or "(empty body)"
+    return status, _NUMBER.sub("N", text)
+
+
+def group_failures(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    counts = Counter(failure_reason(r.error) for r in records if not r.ok)
+    return [{"status": status, "message": message, "count": n}
+            for (status, message), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+
+
 def summarize_requests(
     records: Sequence[RequestRecord],
     replicas: int,
@@ -147,6 +189,7 @@ def summarize_requests(
         "load_max_over_mean": max_over_mean,
         "load_cv": cv,
         "sessions_per_replica": [len(per_replica[k]) for k in sorted(per_replica)],
+        "failures": group_failures(records),
     }
 
 

@@ -79,32 +79,18 @@ def redis_auth(tmp_path):
     server.kill()
 
 
-# -- fault matrix: tests marked `fault_matrix` record counted outcomes; docs/reliability.md is
-# rendered from them (KVROUTER_FAULT_MATRIX=out.json pytest ...; python benchmarks/fault_matrix.py).
+# -- fault matrix: tests marked `fault_matrix` record, through the `fault_record` ledger
+# (tests/fault_ledger.py), every request their clients sent with what came back and the replicas' own
+# counts. A test whose ledger shows a lost request fails. docs/reliability-faults.json and the table
+# in docs/reliability.md are rendered from them (KVROUTER_FAULT_MATRIX=out.json pytest -m
+# fault_matrix; python benchmarks/fault_matrix.py).
 _FAULT_ROWS: list[dict[str, Any]] = []
 
 
-class FaultRecord:
-    """Counted outcomes of one fault test: every request sent ends `ok` or as a clean error."""
-
-    def __init__(self) -> None:
-        self.sent = self.ok = self.clean_errors = 0
-        self.notes: list[str] = []
-
-    def count(self, sent: int, ok: int, clean_errors: int, note: str | None = None) -> None:
-        self.sent += sent
-        self.ok += ok
-        self.clean_errors += clean_errors
-        if note:
-            self.notes.append(note)
-
-    @property
-    def lost(self) -> int:
-        return self.sent - self.ok - self.clean_errors
-
-
 @pytest.fixture
-def fault_record(request) -> FaultRecord:
+def fault_record(request):
+    from .fault_ledger import FaultRecord
+
     record = FaultRecord()
     request.node._fault_record = record
     return record
@@ -124,15 +110,18 @@ def pytest_runtest_makereport(item, call):
     if marker is None or report.when != "call":
         return
     record = getattr(item, "_fault_record", None)
+    row = record.row() if record is not None else {"client": None, "replicas": None, "disagreements": [],
+                                                   "lost": None, "notes": ""}
+    if report.passed and record is not None and (record.lost or not record.requests):
+        report.outcome = "failed"
+        report.longrepr = (f"fault matrix: {record.lost} requests lost" if record.requests else
+                           "fault matrix: the test recorded no request") + (
+            f"; {row['client']['nothing_reasons']}; {row['disagreements']}")
     _FAULT_ROWS.append({
-        "test": f"{item.module.__name__.rsplit('.', 1)[-1]}.py::{item.name}",
+        "test": f"tests/{item.module.__name__.rsplit('.', 1)[-1]}.py::{item.name}",
         "fault": marker.kwargs.get("fault", ""),
         "clients_saw": marker.kwargs.get("clients_saw", ""),
-        "sent": record.sent if record else None,
-        "ok": record.ok if record else None,
-        "clean_errors": record.clean_errors if record else None,
-        "lost": record.lost if record else None,
-        "notes": "; ".join(record.notes) if record else "",
+        **row,
         "outcome": report.outcome,
     })
 
@@ -145,3 +134,4 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if out and _FAULT_ROWS:
         with open(out, "w") as f:
             json.dump(sorted(_FAULT_ROWS, key=lambda r: r["test"]), f, indent=1)
+            f.write("\n")

@@ -57,6 +57,14 @@ class FakeUpstream:
     sent: list[bytes] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    # its own counts of inference requests: answered in full, cut short, answered with an error status
+    completed: int = 0
+    aborted: int = 0
+    errors: int = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.requests) - self.completed - self.aborted - self.errors
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -84,11 +92,14 @@ class FakeUpstream:
                 await self.hold_before_headers.wait()
             except asyncio.CancelledError:
                 self.disconnected.set()
+                self.aborted += 1
                 raise
         if self.status != 200:
+            self.errors += 1
             return web.json_response({"error": {"message": "busy", "code": self.status}},
                                      status=self.status)
         if not body.get("stream"):
+            self.completed += 1
             return web.json_response(chat_completion(self.model), headers={"x-upstream": self.name})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "x-upstream": self.name})
@@ -98,6 +109,7 @@ class FakeUpstream:
                 if self.die_after_chunks is not None and i == self.die_after_chunks:
                     assert request.transport is not None
                     request.transport.abort()
+                    self.aborted += 1
                     return resp
                 data = chat_chunk(i, self.model)
                 self.sent.append(data)
@@ -109,8 +121,10 @@ class FakeUpstream:
             self.sent.append(b"data: [DONE]\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+            self.completed += 1
             self.finished.set()
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnected.set()
+            self.aborted += 1
             raise
         return resp

@@ -12,6 +12,7 @@ from kvrouter.router import security
 from kvrouter.router.config import AuthConfig
 
 from .fakes import FakeUpstream
+from .fault_ledger import fake_counts, read_outcome
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 KEYS = ("key-alpha-123", "key-beta-456")
@@ -89,26 +90,29 @@ async def test_per_key_concurrency_limit_429(start_app, start_router, monkeypatc
                                 signals={"source": "health", "interval_s": 60})
     stream = {**CHAT, "stream": True}
     async with aiohttp.ClientSession() as client:
+        held_reqs = [fault_record.send("held") for _ in range(2)]
         held = [await client.post(url + "/v1/chat/completions", json=stream, headers=bearer(KEYS[0]))
                 for _ in range(2)]
-        for r in held:
-            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+        firsts = [await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5) for r in held]
         limited = 0
         for _ in range(3):
             async with client.post(url + "/v1/chat/completions", json=stream, headers=bearer(KEYS[0])) as r:
-                assert r.status == 429 and r.headers["Retry-After"] == "2"
+                outcome = await fault_record.observe(r)
+                assert (outcome.kind, outcome.status, outcome.retry_after) == ("clean_error", 429, "2")
                 assert (await r.json())["error"]["type"] == "rate_limit_error"
                 limited += 1
+        other_req = fault_record.send("other key")
         other = await client.post(url + "/v1/chat/completions", json=stream, headers=bearer(KEYS[1]))
         assert other.status == 200
         hold.set()
-        results = [await asyncio.wait_for(r.read(), 5) for r in [*held, other]]
-        assert all(b.endswith(b"data: [DONE]\n\n") for b in results)
+        results = [req.got(await read_outcome(r, first)).kind
+                   for req, r, first in zip([*held_reqs, other_req], [*held, other], [*firsts, b""])]
+        assert results == ["complete"] * 3
         async with client.post(url + "/v1/chat/completions", json=CHAT, headers=bearer(KEYS[0])) as r:
-            assert r.status == 200  # slots given back when the streams ended
+            assert (await fault_record.observe(r)).kind == "complete"  # slots given back when the streams ended
         async with client.get(url + "/metrics") as r:
             assert f'kvrouter_auth_rejections_total{{reason="key_concurrency"}} {float(limited)}' in await r.text()
-    fault_record.count(sent=2 + 3 + 1 + 1, ok=4, clean_errors=limited)
+    fault_record.replica(fake_counts("replica", up))
 
 
 async def test_upstream_credentials_injected_never_logged_or_echoed(start_app, start_router, monkeypatch, caplog):

@@ -275,10 +275,10 @@ def test_summarize_requests_on_hand_built_records() -> None:
 
 def test_summarize_requests_without_data() -> None:
     res = summarize_requests([], replicas=1, duration_model_s=60.0)
-    assert res["requests_ok"] == 0 and res["sessions_per_replica"] == []
+    assert res["requests_ok"] == 0 and res["sessions_per_replica"] == [] and res["failures"] == []
     assert all(res[k] is None for k in RESULT_KEYS
                if k not in ("requests_ok", "requests_failed", "tokens_per_min_per_replica",
-                            "sessions_per_replica"))
+                            "sessions_per_replica", "failures"))
     assert res["tokens_per_min_per_replica"] == 0
     assert load_imbalance([[0, 0]]) == (None, None)
     assert math.isclose(load_imbalance([[5]])[0], 1.0)

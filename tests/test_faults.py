@@ -1,8 +1,10 @@
-"""Faults injected into real servers and processes on 127.0.0.1, with counted outcomes.
+"""Faults injected into real servers and processes on 127.0.0.1, with observed outcomes.
 
-Every request a client sends ends either complete or with a clear error (an OpenAI-shaped error
-status, or an SSE `data: {"error": ...}` event followed by `data: [DONE]`); none hangs (every wait
-is bounded), none is answered twice, and no replica keeps decoding for a client that has gone.
+Every request a client sends is recorded in the `fault_record` ledger (tests/fault_ledger.py) with
+what came back: complete, a clean error (an OpenAI-shaped error status, or an SSE
+`data: {"error": ...}` event followed by `data: [DONE]`), or nothing. The replicas' own counts
+(received, completed, aborted, still running) are recorded beside them; a test fails if a request
+got nothing or the two sides disagree, whichever timeout or path ended it.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from aiohttp import web
 
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 
 from .fakes import FakeUpstream
+from .fault_ledger import FaultRecord, ReplicaCounts, Request, fake_counts, read_outcome, sim_counts, sim_proc_counts
 from .procs import eventually, running_reqs, start_sim_proc, wait_http
 from kvrouter.loadtest.compare import free_port
 
@@ -34,40 +36,22 @@ def chat(session: str, max_tokens: int = 100, stream: bool = True) -> dict[str, 
 FAST_SIGNALS = {"interval_s": 0.05, "timeout_s": 0.2, "failure_threshold": 2, "stale_after_s": 1.0}
 
 
-async def classify_stream(resp: aiohttp.ClientResponse, first: bytes = b"") -> str:
-    """'ok' (ended with [DONE], no error event), 'error' (clean error event then [DONE], or an
-    error status with an OpenAI-shaped body) or 'broken' (anything else: the outcome we forbid)."""
-    if resp.status != 200:
-        body = await resp.read()
-        try:
-            return "error" if "error" in orjson.loads(body) else "broken"
-        except orjson.JSONDecodeError:
-            return "broken"
-    try:
-        data = first + await asyncio.wait_for(resp.read(), 30)
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-        return "broken"
-    if not data.endswith(b"data: [DONE]\n\n"):
-        return "broken"
-    events = [e for e in data.split(b"\n\n") if e.startswith(b"data: {")]
-    errors = [e for e in events if b'"error"' in e and b'"upstream_error"' in e]
-    if data.count(b"data: [DONE]") != 1:
-        return "broken"  # answered twice
-    return "error" if errors else "ok"
-
-
 async def request_outcome(client: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                          headers: dict[str, str] | None = None) -> tuple[str, str | None]:
-    async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
-        replica = resp.headers.get("x-kvrouter-replica")
-        if resp.status == 503:
-            assert resp.headers.get("Retry-After")
-        if not body.get("stream"):
-            if resp.status == 200:
-                data = await resp.json()
-                return ("ok" if data["choices"] else "broken"), replica
-            return await classify_stream(resp), replica
-        return await classify_stream(resp), replica
+                          record: FaultRecord, headers: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """Send one chat request through the router, record it, return ('ok'|'error'|'broken', replica)."""
+    outcome = await record.request(client, url + "/v1/chat/completions", body, headers=headers)
+    if outcome.status == 503:
+        assert outcome.retry_after
+    return outcome.short, outcome.replica
+
+
+async def open_streams(client: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
+                       record: FaultRecord) -> tuple[list[Request], list[aiohttp.ClientResponse], list[bytes]]:
+    """Start streams and read each one's first event (the stream is then mid-flight)."""
+    reqs = [record.send(b["session_id"]) for b in bodies]
+    responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in bodies))
+    firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 10) for r in responses))
+    return reqs, responses, firsts
 
 
 class FixedPortApp:
@@ -129,13 +113,14 @@ async def test_all_replicas_down_then_recovery(fixed_apps, start_router, fault_r
     outcomes: Counter[str] = Counter()
     async with aiohttp.ClientSession() as client:
         for i in range(10):
-            outcomes[(await request_outcome(client, url, chat(f"up-{i}", 10, stream=i % 2 == 0)))[0]] += 1
+            outcomes[(await request_outcome(client, url, chat(f"up-{i}", 10, stream=i % 2 == 0), fault_record))[0]] += 1
         assert outcomes == {"ok": 10}
-        for r in replicas:
+        for i, r in enumerate(replicas):
+            fault_record.replica(sim_counts(f"replica {i} (first life)", r.app[SIM_KEY]))
             await r.stop()
         down = Counter()
         for i in range(10):  # at once: connect failures are retried, then 503
-            outcome, _ = await asyncio.wait_for(request_outcome(client, url, chat(f"down-{i}", 10)), 10)
+            outcome, _ = await asyncio.wait_for(request_outcome(client, url, chat(f"down-{i}", 10), fault_record), 10)
             down[outcome] += 1
         assert down == {"error": 10}
         await wait_http(url, "/ready", status=503, timeout=10)
@@ -146,10 +131,13 @@ async def test_all_replicas_down_then_recovery(fixed_apps, start_router, fault_r
         await wait_http(url, "/ready", timeout=10)
         back = Counter()
         for i in range(10):
-            outcome, _ = await asyncio.wait_for(request_outcome(client, url, chat(f"back-{i}", 10)), 10)
+            outcome, _ = await asyncio.wait_for(request_outcome(client, url, chat(f"back-{i}", 10), fault_record), 10)
             back[outcome] += 1
         assert back == {"ok": 10}
-    fault_record.count(sent=30, ok=20, clean_errors=10)
+        for i, r in enumerate(replicas):
+            sim = r.app[SIM_KEY]
+            assert await eventually(lambda sim=sim: not sim.running_rids(), timeout=10)
+            fault_record.replica(sim_counts(f"replica {i} (restarted)", sim))
 
 
 @pytest.mark.timeout(90)
@@ -167,66 +155,82 @@ async def test_replica_sigkilled_mid_stream(tmp_path, start_router, fault_record
         router, url = await start_router([victim, survivor], **router_cfg(
             upstream={"max_attempts": 2, "connect_timeout_s": 1.0}))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
-            responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=chat(f"k-{i}"))
-                                               for i in range(16)))
-            firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 10) for r in responses))
+            reqs, responses, firsts = await open_streams(client, url, [chat(f"k-{i}") for i in range(16)],
+                                                         fault_record)
             where = [r.headers["x-kvrouter-replica"] for r in responses]
             assert set(where) == {victim, survivor}
             # 3 clients on the survivor go away mid-stream
             gone = [i for i, w in enumerate(where) if w == survivor][:3]
             for i in gone:
                 responses[i].close()
+                reqs[i].left()
+            victim_counts = await sim_proc_counts("victim (as it was killed)", victim, gone=True)
             victim_proc.signal(signal.SIGKILL)
             kept = [i for i in range(16) if i not in gone]
-            results = await asyncio.gather(*(classify_stream(responses[i], firsts[i]) for i in kept))
+            outcomes = await asyncio.gather(*(read_outcome(responses[i], firsts[i]) for i in kept))
+            results = [reqs[i].got(o).short for i, o in zip(kept, outcomes)]
             by_replica = Counter((where[i], res) for i, res in zip(kept, results))
             assert by_replica[(victim, "error")] == where.count(victim)  # clean error event each
             assert by_replica[(survivor, "ok")] == where.count(survivor) - len(gone)
             assert "broken" not in results
             # later requests: all complete (the dead replica is retried away, then marked down)
-            later = await asyncio.gather(*(request_outcome(client, url, chat(f"after-{i}", 20))
+            later = await asyncio.gather(*(request_outcome(client, url, chat(f"after-{i}", 20), fault_record)
                                            for i in range(10)))
             assert [o for o, _ in later] == ["ok"] * 10
             assert all(r == survivor for _, r in later)
         # nothing keeps decoding for the clients that left (or at all)
         assert await eventually(lambda: _idle(survivor), timeout=10)
         assert not router.registry.view(victim).healthy
+        fault_record.replica(victim_counts)
+        fault_record.replica(await sim_proc_counts("survivor", survivor))
     finally:
         for p, _ in procs:
             p.stop()
-    fault_record.count(sent=16 + 10, ok=results.count("ok") + 10,
-                       clean_errors=results.count("error") + len(gone),
-                       note=f"{len(gone)} clients left on purpose; survivor running count back to 0")
+    fault_record.note(f"{len(gone)} clients left on purpose; the victim's counts are read just before SIGKILL")
 
 
 async def _idle(url: str) -> bool:
     return await running_reqs(url) == 0
 
 
-async def _black_hole() -> tuple[asyncio.AbstractServer, str, list[int]]:
-    """Accepts connections, reads whatever comes, never answers."""
-    accepted = [0]
+class BlackHole:
+    """Accepts connections, reads whatever comes, never answers. Counts the requests it received
+    and those whose connection the peer closed (nothing is ever completed)."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted[0] += 1
+    def __init__(self) -> None:
+        self.accepted = self.received = self.closed_by_peer = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        request = False
         try:
-            while await reader.read(65536):
-                pass
+            while data := await reader.read(65536):
+                if not request and data.startswith(b"POST "):
+                    request = True
+                    self.received += 1
+            self.closed_by_peer += request
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    def counts(self) -> ReplicaCounts:
+        return ReplicaCounts("black hole", self.received, 0, self.closed_by_peer, 0,
+                             self.received - self.closed_by_peer)
+
+
+async def _black_hole() -> tuple[asyncio.AbstractServer, str, BlackHole]:
+    hole = BlackHole()
+    server = await asyncio.start_server(hole.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    return server, f"http://127.0.0.1:{port}", accepted
+    return server, f"http://127.0.0.1:{port}", hole
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.fault_matrix(
     fault="Replica accepts connections and never answers",
-    clients_saw="retried on a healthy replica (200) within upstream.total_timeout_s; alone: 503 + Retry-After",
+    clients_saw="retried on a healthy replica (200) once the router's upstream timeout fires; alone: 503 + Retry-After",
 )
 async def test_replica_that_never_answers(start_app, start_router, fault_record):
-    server, hole, accepted = await _black_hole()
+    server, hole, black_hole = await _black_hole()
     good = FakeUpstream(name="good")
     good_url = await start_app(good.app())
     try:
@@ -238,23 +242,25 @@ async def test_replica_that_never_answers(start_app, start_router, fault_record)
             upstream={"total_timeout_s": 0.5, "max_attempts": 2}))
         async with aiohttp.ClientSession() as client:
             body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-            mixed = await asyncio.gather(*(asyncio.wait_for(request_outcome(client, url, {**body, "stream": i % 2 == 0}), 10)
+            mixed = await asyncio.gather(*(request_outcome(client, url, {**body, "stream": i % 2 == 0}, fault_record)
                                            for i in range(8)))
-            solo = await asyncio.gather(*(asyncio.wait_for(request_outcome(client, alone, body), 10)
-                                          for i in range(4)))
+            solo = await asyncio.gather(*(request_outcome(client, alone, body, fault_record) for i in range(4)))
+        # the router closed every connection it gave up on
+        assert await eventually(lambda: black_hole.received == black_hole.closed_by_peer, timeout=10)
     finally:
         server.close()
     assert [o for o, _ in mixed] == ["ok"] * 8
     assert len(good.requests) == 8  # each request answered exactly once
-    assert accepted[0] >= 1
+    assert black_hole.received >= 1
     assert [o for o, _ in solo] == ["error"] * 4
-    fault_record.count(sent=12, ok=8, clean_errors=4)
+    fault_record.replica(black_hole.counts())
+    fault_record.replica(fake_counts("good", good))
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.fault_matrix(
     fault="Replica stalls mid-stream (headers and first event, then silence)",
-    clients_saw="SSE error event + [DONE] when upstream.total_timeout_s expires; the replica sees the disconnect",
+    clients_saw="SSE error event + [DONE] once the router's upstream timeout fires; the replica sees the disconnect",
 )
 async def test_replica_stalls_mid_stream(start_app, start_router, fault_record):
     stall = asyncio.Event()  # never set
@@ -263,10 +269,10 @@ async def test_replica_stalls_mid_stream(start_app, start_router, fault_record):
         signals={"source": "health", "interval_s": 60}, upstream={"total_timeout_s": 1.0}))
     async with aiohttp.ClientSession() as client:
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        outcomes = await asyncio.gather(*(asyncio.wait_for(request_outcome(client, url, body), 10) for _ in range(4)))
+        outcomes = await asyncio.gather(*(request_outcome(client, url, body, fault_record) for _ in range(4)))
     assert [o for o, _ in outcomes] == ["error"] * 4
-    assert await eventually(upstream.disconnected.is_set)
-    fault_record.count(sent=4, ok=0, clean_errors=4)
+    assert await eventually(lambda: upstream.running == 0)  # the replica saw every disconnect
+    fault_record.replica(fake_counts("stalling replica", upstream))
 
 
 @pytest.mark.timeout(60)
@@ -285,25 +291,20 @@ async def test_replica_answering_500_and_503(start_app, start_router, fault_reco
     _, rall = await start_router([busy_url], **router_cfg(signals=quiet, upstream={"max_attempts": 2}))
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     async with aiohttp.ClientSession() as client:
-        retried = [await request_outcome(client, r503, {**body, "stream": i % 2 == 0}) for i in range(10)]
-        statuses = []
-        for _ in range(5):
-            async with client.post(r500 + "/v1/chat/completions", json=body) as resp:
-                statuses.append(resp.status)
-                assert "error" in await resp.json()
-        for _ in range(5):
-            async with client.post(rall + "/v1/chat/completions", json=body) as resp:
-                statuses.append(resp.status)
-                assert "error" in await resp.json()
+        retried = [await request_outcome(client, r503, {**body, "stream": i % 2 == 0}, fault_record)
+                   for i in range(10)]
+        passed = [await fault_record.request(client, r + "/v1/chat/completions", body) for r in [r500] * 5 + [rall] * 5]
     assert [o for o, _ in retried] == ["ok"] * 10
     assert len(good.requests) == 10  # never answered twice
-    assert statuses == [500] * 5 + [503] * 5
+    assert [(o.kind, o.status) for o in passed] == [("clean_error", 500)] * 5 + [("clean_error", 503)] * 5
     assert len(broken.requests) == 5  # a 500 is not retried (the replica may have done the work)
-    fault_record.count(sent=20, ok=10, clean_errors=10)
+    for name, upstream in (("answering 503", busy), ("answering 500", broken), ("good", good)):
+        fault_record.replica(fake_counts(name, upstream))
 
 
-def _replica_with_metrics(state: dict[str, str]) -> web.Application:
+def _replica_with_metrics(state: dict[str, str], upstreams: list[FakeUpstream]) -> web.Application:
     upstream = FakeUpstream(name=state["name"])
+    upstreams.append(upstream)
     app = upstream.app()
 
     async def metrics(request: web.Request) -> web.StreamResponse:
@@ -325,7 +326,8 @@ def _replica_with_metrics(state: dict[str, str]) -> web.Application:
 async def test_metrics_slow_or_garbage(start_app, start_router, fault_record):
     states = [{"name": "slow", "mode": "slow"}, {"name": "garbage", "mode": "garbage"},
               {"name": "good", "mode": "ok"}]
-    apps = [_replica_with_metrics(s) for s in states]
+    upstreams: list[FakeUpstream] = []
+    apps = [_replica_with_metrics(s, upstreams) for s in states]
     urls = [await start_app(a) for a in apps]
     router, url = await start_router(urls, **router_cfg())
     assert await eventually(lambda: [router.registry.view(u).healthy for u in urls] == [False, False, True])
@@ -334,7 +336,7 @@ async def test_metrics_slow_or_garbage(start_app, start_router, fault_record):
     async with aiohttp.ClientSession() as client:
         outcomes = []
         for i in range(10):
-            outcome, replica = await asyncio.wait_for(request_outcome(client, url, {**body, "stream": i % 2 == 0}), 5)
+            outcome, replica = await request_outcome(client, url, {**body, "stream": i % 2 == 0}, fault_record)
             outcomes.append(outcome)
             assert replica == urls[2]
         # the event loop is never blocked by a hanging scrape: /health answers while one hangs
@@ -348,7 +350,8 @@ async def test_metrics_slow_or_garbage(start_app, start_router, fault_record):
         assert await eventually(lambda: all(router.registry.view(u).healthy for u in urls), timeout=10)
     assert outcomes == ["ok"] * 10
     assert router.metrics.poll_errors.labels(urls[0])._value.get() >= 2
-    fault_record.count(sent=10, ok=10, clean_errors=0)
+    for s, upstream in zip(states, upstreams):
+        fault_record.replica(fake_counts(s["name"], upstream))
 
 
 @pytest.mark.timeout(60)
@@ -362,24 +365,28 @@ async def test_replica_removed_and_readded(start_app, start_router, fault_record
     router, url = await start_router(urls, **router_cfg(policy={"name": "coding-agent"}))
     a, b = urls
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
-        responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=chat(f"rm-{i}", 60))
-                                           for i in range(8)))
-        firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 10) for r in responses))
+        reqs, responses, firsts = await open_streams(client, url, [chat(f"rm-{i}", 60) for i in range(8)],
+                                                     fault_record)
         where = [r.headers["x-kvrouter-replica"] for r in responses]
         assert a in where
         # one client leaves mid-stream
         gone = where.index(a)
         responses[gone].close()
+        reqs[gone].left()
         assert router.remove_replica(a)
-        during = await asyncio.gather(*(request_outcome(client, url, chat(f"during-{i}", 5)) for i in range(6)))
-        results = await asyncio.gather(*(classify_stream(r, f) for i, (r, f) in enumerate(zip(responses, firsts))
-                                         if i != gone))
+        during = await asyncio.gather(*(request_outcome(client, url, chat(f"during-{i}", 5), fault_record)
+                                        for i in range(6)))
+        kept = [i for i in range(8) if i != gone]
+        outcomes = await asyncio.gather(*(read_outcome(responses[i], firsts[i]) for i in kept))
+        results = [reqs[i].got(o).short for i, o in zip(kept, outcomes)]
         assert router.add_replica(a)
-        after = await asyncio.gather(*(request_outcome(client, url, chat(f"new-{i}", 5)) for i in range(4)))
+        after = await asyncio.gather(*(request_outcome(client, url, chat(f"new-{i}", 5), fault_record)
+                                       for i in range(4)))
     assert results == ["ok"] * 7  # in-flight streams on the removed replica finished normally
     assert [o for o, _ in during] == ["ok"] * 6 and {r for _, r in during} == {b}
     assert [o for o, _ in after] == ["ok"] * 4 and a in {r for _, r in after}
-    for app in apps:
+    for name, app in zip(("removed and re-added", "other"), apps):
         sim = app[SIM_KEY]
         assert await eventually(lambda sim=sim: not sim.running_rids(), timeout=10)
-    fault_record.count(sent=8 + 6 + 4, ok=7 + 6 + 4, clean_errors=1, note="1 client left on purpose")
+        fault_record.replica(sim_counts(name, sim))
+    fault_record.note("1 client left on purpose")

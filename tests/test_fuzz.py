@@ -11,6 +11,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site
 
 from .fakes import FakeUpstream
+from .fault_ledger import CLEAN_ERROR, COMPLETE, NOTHING, Outcome, ReplicaCounts
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/generate"]
@@ -142,8 +144,38 @@ def request_bodies(draw) -> dict[str, Any]:
     return body
 
 
-def tally(record, status: int) -> None:
-    record.count(sent=1, ok=int(status < 400), clean_errors=int(400 <= status < 500))
+def tally(live: LiveRouter, record, before: tuple[int, int, int, int], status: int,
+          headers: dict[str, str], body: bytes, stream: bool = False, inference: bool = True) -> None:
+    """Record one fuzzed request in the fault ledger: the router's answer as the client saw it (raw
+    bytes, so a chunked stream still has its chunk sizes) and what the upstream counted for it."""
+    if status == 200:
+        done = body.count(b"data: [DONE]")
+        whole = done == 1 if stream or b"data: " in body else (b'"choices"' in body or b'"object"' in body
+                                                               or b'"status"' in body)
+        outcome = Outcome(COMPLETE if whole else NOTHING, 200, None if whole else "200 without a whole answer")
+    elif 400 <= status < 500 and headers.get("content-type", "").startswith("application/json"):
+        outcome = Outcome(CLEAN_ERROR, status, orjson.loads(body)["error"]["message"])
+    else:
+        outcome = Outcome(NOTHING, status, f"{status} without an OpenAI-shaped error body")
+    record.send(inference=inference).got(outcome)
+    up = live.upstream
+    deadline = time.monotonic() + 5  # the upstream counts a stream once its last write returned
+    while up.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if not record.replicas:
+        record.replica(ReplicaCounts("fake upstream", 0, 0, 0))
+    counts = record.replicas[0]
+    now = (len(up.requests), up.completed, up.aborted, up.errors)
+    counts.received += now[0] - before[0]
+    counts.completed += now[1] - before[1]
+    counts.aborted += now[2] - before[2]
+    counts.errors += now[3] - before[3]
+    counts.running = up.running
+
+
+def upstream_now(live: LiveRouter) -> tuple[int, int, int, int]:
+    up = live.upstream
+    return len(up.requests), up.completed, up.aborted, up.errors
 
 
 @pytest.mark.fault_matrix(fault="Fuzzed JSON bodies: random structure, wrong types in every known field",
@@ -151,10 +183,11 @@ def tally(record, status: int) -> None:
 @SETTINGS
 @given(route=st.sampled_from(ROUTES), body=request_bodies())
 def test_fuzz_json_bodies_wrong_types(live, fault_record, route, body):
+    before = upstream_now(live)
     status, headers, data = live.request(b"POST", route.encode(), [(b"Content-Type", b"application/json")],
                                          json.dumps(body).encode())
     check(live, status, headers, data)
-    tally(fault_record, status)
+    tally(live, fault_record, before, status, headers, data, stream=body.get("stream") is True)
     if status == 200 and body.get("stream"):
         assert data.rstrip().endswith(b"0") or b"[DONE]" in data  # chunked stream ended
 
@@ -174,9 +207,10 @@ def test_fuzz_json_bodies_wrong_types(live, fault_record, route, body):
     st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"NaN", b"{", b'{"stream": true', b"\xef\xbb\xbf{}"]),
 ))
 def test_fuzz_malformed_bodies(live, fault_record, route, raw):
+    before = upstream_now(live)
     status, headers, data = live.request(b"POST", route.encode(), [(b"Content-Type", b"application/json")], raw)
     check(live, status, headers, data)
-    tally(fault_record, status)
+    tally(live, fault_record, before, status, headers, data)
 
 
 @SETTINGS
@@ -212,10 +246,11 @@ header_values = st.binary(max_size=100) | st.sampled_from([b"a\r\nInjected: 1", 
 def test_fuzz_headers_crlf_oversized(live, fault_record, route, headers):
     method = b"GET" if route in ("/v1/models", "/health") else b"POST"
     body = b"" if method == b"GET" else b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    before = upstream_now(live)
     status, resp_headers, data = live.request(method, route.encode(), headers, body)
     check(live, status, resp_headers, data)
     assert "injected" not in resp_headers  # a CR/LF in a value never becomes a header
-    tally(fault_record, status)
+    tally(live, fault_record, before, status, resp_headers, data, inference=method == b"POST")
 
 
 @SETTINGS

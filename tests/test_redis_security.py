@@ -9,16 +9,20 @@ import pytest
 import redis.asyncio as aioredis
 
 from .fakes import FakeUpstream
+from .fault_ledger import fake_counts
 from .redis_server import TEST_PASSWORD as PASSWORD
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def _requests(url: str, sessions: list[str]) -> list[int]:
+async def _requests(url: str, sessions: list[str], record=None) -> list[int]:
+    """One chat request per session; with ``record`` (a fault ledger) each one is recorded."""
     statuses = []
     async with aiohttp.ClientSession() as client:
         for s in sessions:
             async with client.post(url + "/v1/chat/completions", json=CHAT, headers={"x-session-id": s}) as r:
+                if record is not None:
+                    await record.observe(r)
                 statuses.append(r.status)
     return statuses
 
@@ -46,15 +50,16 @@ async def test_redis_auth_works_and_password_never_logged(start_app, start_route
 async def test_wrong_redis_password_degrades_without_failing_or_leaking(start_app, start_router, redis_auth,
                                                                         caplog, fault_record):
     caplog.set_level(logging.DEBUG)
-    replica = await start_app(FakeUpstream().app())
+    upstream = FakeUpstream()
+    replica = await start_app(upstream.app())
     wrong = f"redis://:not-{PASSWORD}@127.0.0.1:{redis_auth.port}/0"
     router, url = await start_router([replica], affinity={"store": "redis", "redis_url": wrong},
                                      signals={"source": "health", "interval_s": 60})
-    statuses = await _requests(url, [f"w{i}" for i in range(5)])
+    statuses = await _requests(url, [f"w{i}" for i in range(5)], fault_record)
     assert statuses == [200] * 5
     assert router.affinity.degraded
     assert f"not-{PASSWORD}" not in caplog.text and PASSWORD not in caplog.text
-    fault_record.count(sent=5, ok=5, clean_errors=0)
+    fault_record.replica(fake_counts("replica", upstream))
 
 
 async def test_key_prefix_isolation(start_app, start_router, redis_server):

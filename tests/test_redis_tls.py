@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 import trustme
 
 from .fakes import FakeUpstream
+from .fault_ledger import fake_counts
 from .redis_server import TEST_PASSWORD as PASSWORD
 from .redis_server import RedisProcess
 from .tls_terminator import TLSTerminator
@@ -40,13 +41,16 @@ def _server_context(ca: trustme.CA, cert: trustme.LeafCert, require_client_cert:
     return ctx
 
 
-async def _requests(url: str, sessions: list[str]) -> list[int]:
+async def _requests(url: str, sessions: list[str], record=None) -> list[int]:
+    """One chat request per session; with ``record`` (a fault ledger) each one is recorded."""
+    statuses = []
     async with aiohttp.ClientSession() as client:
-        statuses = []
         for s in sessions:
             async with client.post(url + "/v1/chat/completions", json=CHAT, headers={"x-session-id": s}) as r:
+                if record is not None:
+                    await record.observe(r)
                 statuses.append(r.status)
-        return statuses
+    return statuses
 
 
 async def _stored_home(redis_auth: RedisProcess, key: str) -> bytes | None:
@@ -87,16 +91,17 @@ async def test_untrusted_redis_certificate_is_refused_and_routing_degrades(start
     tls = TLSTerminator(redis_auth.port, _server_context(ca, server_cert, require_client_cert=False))
     await tls.start()
     try:
-        replica = await start_app(FakeUpstream().app())
+        upstream = FakeUpstream()
+        replica = await start_app(upstream.app())
         # No ssl_ca_certs: the system trust store does not know the private CA.
         url = f"rediss://:{PASSWORD}@127.0.0.1:{tls.port}/0?ssl_cert_reqs=required"
         router, base = await start_router([replica], affinity={"store": "redis", "redis_url": url,
                                                                "key_prefix": "tls:"}, signals=QUIET)
-        statuses = await _requests(base, [f"u{i}" for i in range(4)])
+        statuses = await _requests(base, [f"u{i}" for i in range(4)], fault_record)
         assert statuses == [200] * 4
         assert router.affinity.degraded
         assert tls.sessions == 0  # every handshake was refused by the router's client
         assert await _stored_home(redis_auth, "tls:s:u0") is None
-        fault_record.count(sent=4, ok=4, clean_errors=0)
+        fault_record.replica(fake_counts("replica", upstream))
     finally:
         await tls.stop()

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from .fakes import FakeUpstream
+from .fault_ledger import fake_counts, read_outcome
 from kvrouter.loadtest.compare import free_port
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -34,7 +35,7 @@ async def wait_ready(url: str) -> None:
     fault="SIGHUP with an invalid config",
     clients_saw="old config kept, requests keep succeeding; the refusal is logged naming the key",
 )
-async def test_sighup_reload_adds_replica_and_refuses_invalid_config(start_app, tmp_path: Path):
+async def test_sighup_reload_adds_replica_and_refuses_invalid_config(start_app, tmp_path: Path, fault_record):
     hold = asyncio.Event()
     a = FakeUpstream(name="a", chunks=4, hold_after_first=hold)
     b = FakeUpstream(name="b")
@@ -49,30 +50,34 @@ async def test_sighup_reload_adds_replica_and_refuses_invalid_config(start_app, 
     try:
         await wait_ready(router)
         async with aiohttp.ClientSession() as client:
+            inflight_req = fault_record.send("in flight across the reload")
             inflight = await client.post(router + "/v1/chat/completions", json=CHAT)
-            await asyncio.wait_for(inflight.content.readuntil(b"\n\n"), 5)  # stream in progress
+            first = await asyncio.wait_for(inflight.content.readuntil(b"\n\n"), 5)  # stream in progress
             config.write_text(config.read_text().replace(f"[{url_a}]", f"[{url_a}, {url_b}]"))
             proc.send_signal(signal.SIGHUP)
             seen = set()
             for _ in range(100):
                 async with client.post(router + "/v1/chat/completions", json={**CHAT, "stream": False}) as r:
+                    assert (await fault_record.observe(r)).kind == "complete"
                     seen.add(r.headers["x-upstream"])
                 if "b" in seen:
                     break
                 await asyncio.sleep(0.02)
             assert "b" in seen
             hold.set()
-            rest = await asyncio.wait_for(inflight.read(), 5)  # the in-flight stream was not dropped
-            assert rest.endswith(b"data: [DONE]\n\n")
+            # the in-flight stream was not dropped
+            assert inflight_req.got(await read_outcome(inflight, first, timeout=5)).kind == "complete"
 
             config.write_text("replicas: [not a url]\n")
             proc.send_signal(signal.SIGHUP)
             await asyncio.sleep(0.3)
             async with client.post(router + "/v1/chat/completions", json={**CHAT, "stream": False}) as r:
-                assert r.status == 200  # still serving with the old config
+                assert (await fault_record.observe(r)).kind == "complete"  # still serving with the old config
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0
     assert "reload refused" in err and "replicas.0" in err
     assert "config reloaded: +" in err
+    fault_record.replica(fake_counts("a", a))
+    fault_record.replica(fake_counts("b", b))

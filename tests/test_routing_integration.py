@@ -9,7 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from kvrouter.loadtest.sim_server import build_app
+from kvrouter.loadtest.sim_server import SIM_KEY, build_app
+
+from .fault_ledger import CLEAN_ERROR, COMPLETE, NOTHING, Outcome, sim_counts
 
 FAST = 100.0  # simulated-model seconds per wall second
 
@@ -125,32 +127,51 @@ async def test_two_routers_on_one_redis_agree(fleet, start_router, redis_server)
         assert ra == rb == rb2
 
 
-@pytest.mark.fault_matrix(
-    fault="Redis killed and restarted mid-run",
-    clients_saw="every request 200; affinity degraded to local state while down, shared again after restart",
-)
-async def test_redis_killed_mid_run_loses_no_request(fleet, start_router, redis_server, fault_record):
-    replicas = await fleet(4)
+async def _turn(chat: Chat, text: str, record) -> None:
+    """One recorded turn: openai's client raises for an error status (a clean error when the body
+    is OpenAI-shaped, which is what the client parses) and for a broken connection (nothing)."""
+    req = record.send(chat.session)
+    try:
+        _, _ = await chat.turn(text)
+    except openai.APIStatusError as exc:
+        req.got(Outcome(CLEAN_ERROR, exc.status_code, exc.message))
+    except openai.APIError as exc:
+        req.got(Outcome(NOTHING, None, f"{type(exc).__name__}: {exc}"))
+    else:
+        req.got(Outcome(COMPLETE, 200))
+
+
+@pytest.mark.parametrize("fault", [
+    pytest.param("killed", marks=pytest.mark.fault_matrix(
+        fault="Redis killed and restarted mid-run",
+        clients_saw="every request 200; affinity degraded to local state while down, shared again after restart")),
+    pytest.param("stalled", marks=pytest.mark.fault_matrix(
+        fault="Redis answering slowly (SIGSTOPped), then resumed",
+        clients_saw="every request 200; affinity calls bounded by affinity.op_timeout_s, then local state; "
+                    "shared again once Redis answers")),
+])
+async def test_redis_fault_mid_run_loses_no_request(fault, start_app, start_router, redis_server, fault_record):
+    apps = [build_app("tiny", time_scale=FAST, seed=i) for i in range(4)]
+    replicas = [await start_app(a) for a in apps]
     router, url = await start_router(replicas, **router_config(
         affinity={"store": "redis", "redis_url": redis_server.url, "op_timeout_s": 0.2,
                   "retry_after_s": 0.1}))
     chats = [Chat(url, f"r-{i}") for i in range(4)]
-    ok = failed = 0
     try:
         for round_ in range(12):
             if round_ == 4:
-                redis_server.kill()
+                redis_server.kill() if fault == "killed" else redis_server.pause()
             if round_ == 8:
                 assert router.affinity.degraded
-                redis_server.start()
+                redis_server.start() if fault == "killed" else redis_server.resume()
                 await asyncio.sleep(0.3)
-            results = await asyncio.gather(*(c.turn(f"round {round_}") for c in chats),
-                                           return_exceptions=True)
-            ok += sum(not isinstance(r, BaseException) for r in results)
-            failed += sum(isinstance(r, BaseException) for r in results)
+            await asyncio.gather(*(_turn(c, f"round {round_}", fault_record) for c in chats))
     finally:
+        if fault == "stalled":
+            redis_server.resume()
         for c in chats:
             await c.close()
-    fault_record.count(sent=48, ok=ok, clean_errors=0)
-    assert (ok, failed) == (48, 0)
+    for i, app in enumerate(apps):
+        fault_record.replica(sim_counts(f"replica {i}", app[SIM_KEY]))
+    assert [r.outcome.kind for r in fault_record.requests] == ["complete"] * 48
     assert not router.affinity.degraded  # restored once Redis came back

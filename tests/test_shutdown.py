@@ -9,27 +9,28 @@ import aiohttp
 import pytest
 
 from .fakes import FakeUpstream
-from .procs import start_router_proc, wait_http
+from .fault_ledger import FaultRecord, Outcome, Request, fake_counts, read_outcome
+from .procs import eventually, start_router_proc, wait_http
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 STREAMS = 100
 
 
-async def _open_streams(client: aiohttp.ClientSession, url: str, n: int):
+async def _open_streams(client: aiohttp.ClientSession, url: str, n: int, record: FaultRecord):
+    reqs = [record.send(f"stream-{i}") for i in range(n)]
     responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=CHAT) for _ in range(n)))
     # every stream has its first event: all 100 are in flight at the router
-    await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 20) for r in responses))
-    return responses
+    firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 20) for r in responses))
+    return list(zip(reqs, responses, firsts))
 
 
-async def _finish(resp: aiohttp.ClientResponse) -> str:
-    try:
-        rest = await asyncio.wait_for(resp.read(), 30)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionError):
-        return "cut"
-    if b"router shutting down" in rest:
-        return "error event"
-    return "complete" if rest.endswith(b"data: [DONE]\n\n") else "truncated"
+async def _finish(stream: tuple[Request, aiohttp.ClientResponse, bytes]) -> Outcome:
+    req, resp, first = stream
+    return req.got(await read_outcome(resp, first))
+
+
+def _cut_by_shutdown(outcome: Outcome) -> bool:
+    return outcome.kind == "clean_error" and "router shutting down" in (outcome.message or "")
 
 
 @pytest.mark.timeout(90)
@@ -49,7 +50,7 @@ async def test_sigterm_drains_100_streams_then_exits_0(start_app, tmp_path, faul
         await wait_http(url, "/ready")
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client, \
                 aiohttp.ClientSession() as probe:
-            streams = await _open_streams(client, url, STREAMS)
+            streams = await _open_streams(client, url, STREAMS, fault_record)
             proc.signal(signal.SIGTERM)
             ready_status = None
             for _ in range(100):  # the signal lands within milliseconds
@@ -61,7 +62,8 @@ async def test_sigterm_drains_100_streams_then_exits_0(start_app, tmp_path, faul
                 await asyncio.sleep(0.01)
             assert ready_status == 503
             async with probe.post(url + "/v1/chat/completions", json=CHAT) as r:
-                assert r.status == 503 and "Retry-After" in r.headers  # no new work
+                outcome = await fault_record.observe(r)
+                assert (outcome.kind, outcome.status) == ("clean_error", 503) and outcome.retry_after  # no new work
                 assert (await r.json())["error"]["type"] == "service_unavailable"
             refused = False
             for _ in range(200):  # after shutdown_delay_s the listener closes
@@ -79,9 +81,8 @@ async def test_sigterm_drains_100_streams_then_exits_0(start_app, tmp_path, faul
         code = await proc.wait(30)
     finally:
         proc.stop()
-    complete = outcomes.count("complete")
-    fault_record.count(sent=STREAMS, ok=complete, clean_errors=0)
-    assert complete == STREAMS, outcomes
+    fault_record.replica(fake_counts("replica", upstream))
+    assert [o.kind for o in outcomes] == ["complete"] * STREAMS, outcomes
     assert code == 0
     log = proc.log()
     assert "shutting down: not ready; 100 requests in flight" in log
@@ -103,18 +104,19 @@ async def test_sigterm_cuts_streams_after_grace_and_exits_0(start_app, tmp_path,
     try:
         await wait_http(url, "/ready")
         async with aiohttp.ClientSession() as client:
-            streams = await _open_streams(client, url, 5)
+            streams = await _open_streams(client, url, 5, fault_record)
             proc.signal(signal.SIGTERM)
             outcomes = await asyncio.gather(*(_finish(r) for r in streams))
         code = await proc.wait(20)
+        assert await eventually(lambda: upstream.running == 0)  # the replica saw every disconnect
     finally:
         hold.set()
         proc.stop()
-    fault_record.count(sent=5, ok=0, clean_errors=outcomes.count("error event"))
-    assert outcomes == ["error event"] * 5  # a cut stream says so, and never passes for a finished one
+    fault_record.replica(fake_counts("replica", upstream))
+    # a cut stream says so, and never passes for a finished one
+    assert all(_cut_by_shutdown(o) for o in outcomes), outcomes
     assert code == 0
     assert "requests cut" in proc.log()
-    assert await _upstream_saw_disconnects(upstream)
 
 
 @pytest.mark.timeout(60)
@@ -131,30 +133,20 @@ async def test_sigterm_answers_requests_without_a_first_byte_503(start_app, tmp_
         await wait_http(url, "/ready")
         async with aiohttp.ClientSession() as client:
             bodies = [{**CHAT, "stream": stream} for stream in (True, False, True, False)]
-            pending = [asyncio.create_task(client.post(url + "/v1/chat/completions", json=b)) for b in bodies]
+            pending = [asyncio.create_task(fault_record.request(client, url + "/v1/chat/completions", b))
+                       for b in bodies]
             while len(upstream.requests) < len(bodies):
                 await asyncio.sleep(0.02)
             proc.signal(signal.SIGTERM)
-            answers = []
-            for task in pending:
-                resp = await asyncio.wait_for(task, 20)
-                answers.append((resp.status, (await resp.json())["error"]["message"]))
+            answers = [await asyncio.wait_for(task, 20) for task in pending]
         code = await proc.wait(20)
+        assert await eventually(lambda: upstream.running == 0)  # every replica request aborted
     finally:
         hold.set()
         proc.stop()
-    assert all(status == 503 and "router shutting down" in message for status, message in answers), answers
-    fault_record.count(sent=len(bodies), ok=0, clean_errors=len(answers))
+    fault_record.replica(fake_counts("replica", upstream))
+    assert all(o.status == 503 and _cut_by_shutdown(o) for o in answers), answers
     assert code == 0
-    assert await _upstream_saw_disconnects(upstream)
-
-
-async def _upstream_saw_disconnects(upstream: FakeUpstream) -> bool:
-    for _ in range(100):
-        if upstream.disconnected.is_set():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_a_cut_that_coincides_with_a_client_disconnect_still_propagates():

@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from .fakes import FakeUpstream
+from .fault_ledger import fake_counts
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 HINT = "x-smg-target-worker"
@@ -60,7 +61,7 @@ async def test_hints_off_by_default_are_ignored_and_stripped(start_app, start_ro
                 headers = {HINT: target} if how == "header" and isinstance(target, str) and target.strip() else {}
                 body = {**CHAT, "target_worker": target} if how == "body" else CHAT
                 async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    assert r.status == 200
+                    assert (await fault_record.observe(r)).kind == "complete"
                     sent += 1
     assert connections[0] == 0
     seen = [req for u in ups for req in u.requests]
@@ -70,7 +71,8 @@ async def test_hints_off_by_default_are_ignored_and_stripped(start_app, start_ro
     assert all(req["body"]["messages"] == CHAT["messages"] for req in seen)
     # policy (round robin), not the hint, chose: both replicas served
     assert all(u.requests for u in ups)
-    fault_record.count(sent=sent, ok=sent, clean_errors=0)
+    for i, u in enumerate(ups):
+        fault_record.replica(fake_counts(f"u{i}", u))
 
 
 @pytest.mark.fault_matrix(
@@ -89,7 +91,8 @@ async def test_enabled_hints_only_among_known_replicas(start_app, start_router, 
                 headers = {HINT: target} if how == "header" else {}
                 body = {**CHAT, "target_worker": target} if how == "body" else CHAT
                 async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    assert r.status == 400, (how, target)
+                    outcome = await fault_record.observe(r)
+                    assert (outcome.kind, r.status) == ("clean_error", 400), (how, target)
                     err = (await r.json())["error"]
                     assert err["type"] == "invalid_request_error" and str(port) not in err["message"]
                     rejected += 1
@@ -97,7 +100,8 @@ async def test_enabled_hints_only_among_known_replicas(start_app, start_router, 
             if bad is None:
                 continue  # an explicit null is "no hint"
             async with client.post(url + "/v1/chat/completions", json={**CHAT, "target_worker": bad}) as r:
-                assert r.status == 400
+                outcome = await fault_record.observe(r)
+                assert (outcome.kind, r.status) == ("clean_error", 400)
                 rejected += 1
         assert all(not u.requests for u in ups)  # nothing went anywhere
         honoured = 0
@@ -105,15 +109,18 @@ async def test_enabled_hints_only_among_known_replicas(start_app, start_router, 
             for i, target in enumerate(urls):
                 async with client.post(url + "/v1/chat/completions", json=CHAT,
                                        headers={HINT: target + "/"}) as r:
-                    assert r.status == 200 and r.headers["x-upstream"] == f"u{i}"
+                    assert (await fault_record.observe(r)).kind == "complete"
+                    assert r.headers["x-upstream"] == f"u{i}"
                     honoured += 1
         async with client.post(url + "/v1/chat/completions", json={**CHAT, "target_worker": urls[1]}) as r:
+            assert (await fault_record.observe(r)).kind == "complete"
             assert r.headers["x-upstream"] == "u1"
             honoured += 1
     assert connections[0] == 0
     assert all(HINT not in req["headers"] for u in ups for req in u.requests)
     assert all("target_worker" not in req["body"] for u in ups for req in u.requests)
-    fault_record.count(sent=rejected + honoured, ok=honoured, clean_errors=rejected)
+    for i, u in enumerate(ups):
+        fault_record.replica(fake_counts(f"u{i}", u))
 
 
 async def test_hint_to_an_unhealthy_or_draining_replica_is_refused(start_app, start_router):

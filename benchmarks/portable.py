@@ -1,0 +1,34 @@
+"""Commands as saved in benchmark JSON: no path of the machine that ran them.
+
+The interpreter becomes ``python``, paths inside the repository become repo-relative, and any other
+absolute path (a scratch file, another virtualenv's program) keeps only its file name.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_ABSOLUTE = re.compile(r"(?<![\w.:/])/[^\s'\"]+")  # not the // or /path of a URL
+
+
+def _relative(match: re.Match[str]) -> str:
+    path = Path(match.group(0))
+    if path.parent.name == "bin" and path.name.startswith("python"):
+        return "python"
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
+def portable(text: str) -> str:
+    """``text`` (a command line or one argument) with every absolute path made portable."""
+    return _ABSOLUTE.sub(_relative, text)
+
+
+def portable_command(argv: Iterable[str]) -> str:
+    return portable(" ".join(shlex.quote(a) for a in argv))
