@@ -1,7 +1,7 @@
 """Event-loop lag while the exact-KV tokenizer works on large prompts: on the loop vs in the pool.
 
 Three routers with `kv_events.enabled` and the simulated replica's tokenizer
-(`kvrouter.loadtest.sim_server:kv_token_ids`, pure Python like most chat-template code):
+(`kvrouter.loadtest.sim_prompt:kv_token_ids`, pure Python like most chat-template code):
 `tokenizer_threads: 0` (tokenized on the event loop, as before the pool), 1 (the default) and 2.
 Each computes request summaries (`Router.summarize_request`, the request path's call) for large
 chat prompts, a few concurrently, while a 1 ms ticker on the same uvloop loop records how late it
@@ -41,7 +41,7 @@ def make_router(threads: int) -> Router:
     return Router(parse_config({
         "replicas": ["http://127.0.0.1:9"],  # never contacted: only summaries are computed
         "kv_events": {"enabled": True, "page_size": 64, "tokenizer_threads": threads,
-                      "tokenizer": "kvrouter.loadtest.sim_server:kv_token_ids"},
+                      "tokenizer": "kvrouter.loadtest.sim_prompt:kv_token_ids"},
     }))
 
 
@@ -147,7 +147,7 @@ def main() -> None:
             "command": "python benchmarks/tokenize_offloop.py " + " ".join(sys.argv[1:]),
             "prompt_kb": args.prompt_kb, "requests_per_round": args.requests,
             "concurrency": args.concurrency, "rounds": args.rounds,
-            "tokenizer": "kvrouter.loadtest.sim_server:kv_token_ids", "tick_ms": TICK_S * 1e3,
+            "tokenizer": "kvrouter.loadtest.sim_prompt:kv_token_ids", "tick_ms": TICK_S * 1e3,
             "results": results,
         }
         args.json.write_text(json.dumps(record, indent=2) + "\n")

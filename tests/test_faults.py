@@ -227,32 +227,44 @@ async def _black_hole() -> tuple[asyncio.AbstractServer, str, BlackHole]:
 @pytest.mark.timeout(60)
 @pytest.mark.fault_matrix(
     fault="Replica accepts connections and never answers",
-    clients_saw="retried on a healthy replica (200) once the router's upstream timeout fires; alone: 503 + Retry-After",
+    clients_saw="requests already sent there: 504 once upstream.header_timeout_s passes (never re-run "
+                "elsewhere: the replica may be working); the health poller takes it out, then every "
+                "request goes to the healthy replica (200); alone: 504, then 503 + Retry-After",
 )
 async def test_replica_that_never_answers(start_app, start_router, fault_record):
     server, hole, black_hole = await _black_hole()
     good = FakeUpstream(name="good")
     good_url = await start_app(good.app())
+    # Polls that time out after 2 s: the health poller finds the hang on its own, well after the
+    # first requests were sent there (they end at the 0.5 s header timeout).
+    signals = {"source": "health", "interval_s": 0.2, "timeout_s": 2.0, "failure_threshold": 1}
+    upstream = {"header_timeout_s": 0.5, "max_attempts": 2}
     try:
-        _, url = await start_router([hole, good_url], **router_cfg(
-            signals={"source": "health", "interval_s": 60},  # only requests find the fault
-            upstream={"total_timeout_s": 0.5, "max_attempts": 2}))
-        _, alone = await start_router([hole], **router_cfg(
-            signals={"source": "health", "interval_s": 60},
-            upstream={"total_timeout_s": 0.5, "max_attempts": 2}))
+        router, url = await start_router([hole, good_url], **router_cfg(signals=signals, upstream=upstream))
+        lonely, alone = await start_router([hole], **router_cfg(signals=signals, upstream=upstream))
         async with aiohttp.ClientSession() as client:
+            async def status(target: str, body: dict[str, Any]) -> int:
+                return (await fault_record.request(client, target + "/v1/chat/completions", body)).status
+
             body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-            mixed = await asyncio.gather(*(request_outcome(client, url, {**body, "stream": i % 2 == 0}, fault_record)
+            # Round robin sends the first requests to both replicas, before any poll has failed.
+            both = await asyncio.gather(*(status(url, {**body, "stream": i % 2 == 0}) for i in range(8)),
+                                        *(status(alone, body) for _ in range(2)))
+            first, solo_first = both[:8], both[8:]
+            assert await eventually(lambda: not router.registry.healthy(hole), timeout=10)
+            assert await eventually(lambda: not lonely.registry.healthy(hole), timeout=10)
+            later = await asyncio.gather(*(status(url, {**body, "stream": i % 2 == 0})
                                            for i in range(8)))
-            solo = await asyncio.gather(*(request_outcome(client, alone, body, fault_record) for i in range(4)))
+            solo_later = await asyncio.gather(*(status(alone, body) for _ in range(2)))
         # the router closed every connection it gave up on
         assert await eventually(lambda: black_hole.received == black_hole.closed_by_peer, timeout=10)
     finally:
         server.close()
-    assert [o for o, _ in mixed] == ["ok"] * 8
-    assert len(good.requests) == 8  # each request answered exactly once
-    assert black_hole.received >= 1
-    assert [o for o, _ in solo] == ["error"] * 4
+    assert set(first) == {200, 504}
+    assert later == [200] * 8
+    assert len(good.requests) == first.count(200) + 8  # each request answered exactly once
+    assert solo_first == [504, 504]
+    assert solo_later == [503, 503]
     fault_record.replica(black_hole.counts())
     fault_record.replica(fake_counts("good", good))
 

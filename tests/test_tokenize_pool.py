@@ -11,12 +11,13 @@ from typing import Any
 import aiohttp
 
 from kvrouter.loadtest import tokenizer
-from kvrouter.loadtest.sim_server import SIM_KEY, build_app, kv_token_ids
+from kvrouter.loadtest.sim_prompt import kv_token_ids
+from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.router.kv_events_index import request_blocks
 from kvrouter.router.tokenizers import TokenizePool
 
 PS = 16
-SIM_TOKENIZER = "kvrouter.loadtest.sim_server:kv_token_ids"
+SIM_TOKENIZER = "kvrouter.loadtest.sim_prompt:kv_token_ids"
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
