@@ -51,16 +51,20 @@ local function used(key, lru, routers, now, lease, ttl, cap)
   redis.call('ZADD', lru, now, key)
   redis.call('EXPIRE', lru, ttl)
   redis.call('ZREMRANGEBYSCORE', lru, '-inf', now - ttl * 1000)  -- their keys have expired
+  local excess = redis.call('ZCARD', lru) - cap
   local evicted = 0
-  for _ = 1, 8 do
-    if redis.call('ZCARD', lru) <= cap then break end
-    local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
+  if excess <= 0 then return 0 end
+  -- The 8 oldest, read once: a busy one re-scored `now` may tie with the newest, and ties sort by
+  -- name, so reading the oldest again could return it again.
+  for _, oldest in ipairs(redis.call('ZRANGE', lru, 0, 7)) do
+    if excess <= 0 then break end
     local _, busy = live(oldest, routers, now, lease)
     if oldest == key or busy > 0 then
       redis.call('ZADD', lru, now, oldest)
     else
       evicted = evicted + redis.call('DEL', oldest)
       redis.call('ZREM', lru, oldest)
+      excess = excess - 1
     end
   end
   return evicted

@@ -77,6 +77,27 @@ async def test_redis_never_evicts_a_session_with_a_request_in_flight(redis_serve
         await s.close(), await other.close()
 
 
+async def test_eviction_looks_past_a_busy_session_whose_new_score_ties(redis_server):
+    """A busy session met while making room is re-scored `now`, which can tie with (or, across
+    clocks, follow) the others; ties sort by name, so re-reading the oldest returned the busy one
+    again and again and nothing was evicted. Found by a flaky run; here the idle session's score
+    is put after `now` so the case is certain."""
+    s = store(redis_server.url, max_sessions=2)
+    await s.start()
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await s.acquire("a")  # in flight
+        await one_request(s, "z")  # idle
+        seconds, micros = await r.time()
+        await r.zadd(s.keys.lru[0], {s._key("z"): seconds * 1000 + micros // 1000 + 60_000})
+        await s.acquire("b")
+        assert await session_keys(redis_server.url) == {s._key("a"), s._key("b")}
+        assert s.evicted == 1
+    finally:
+        await r.aclose()
+        await s.close()
+
+
 async def test_each_bucket_holds_its_share_of_the_cap(redis_server):
     s = store(redis_server.url, max_sessions=8, buckets=4)  # 2 per bucket
     await s.start()
