@@ -26,12 +26,14 @@ sys.path.insert(0, str(HERE))
 import redis.asyncio as aioredis  # noqa: E402
 from portable import portable_command  # noqa: E402
 
-from kvrouter.router.affinity import _GET  # noqa: E402
+from kvrouter.router.affinity_lua import GET as _GET  # noqa: E402
+from kvrouter.router.affinity_lua import BucketKeys  # noqa: E402
 from kvrouter.router.redis_pipe import PipelinedRedis, Script  # noqa: E402
 from tests.redis_server import RedisProcess  # noqa: E402
 
-KEYS = ["bench:s:session", "bench:routers"]
-ARGS = [10_000, 3600, "router-1"]  # lease ms, ttl s, router id: counts the request like acquire
+_BUCKET = BucketKeys("bench:", 1)
+KEYS = [_BUCKET.session("session"), _BUCKET.routers[0], _BUCKET.lru[0]]
+ARGS = [10_000, 3600, 1_000_000, "router-1"]  # lease ms, ttl s, cap, router id: counts like acquire
 
 
 async def _block(call: Any, calls: int, concurrency: int) -> tuple[float, float]:

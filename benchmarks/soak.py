@@ -226,7 +226,7 @@ class Soak:
         r = aioredis.Redis.from_url(self.redis.url)
         try:
             total = sessions = nonzero = 0
-            async for key in r.scan_iter(match="kvrouter:s:*", count=1000):
+            async for key in r.scan_iter(match="{kvrouter:b*}s:*", count=1000):
                 sessions += 1
                 counts = [int(v) for f, v in (await r.hgetall(key)).items() if f.startswith(b"r:")]
                 total += sum(counts)

@@ -126,6 +126,13 @@ class RouterMetrics:
             registry=r,
         )
         self.sessions = Gauge("kvrouter_sessions", "Sessions in the local session table.", registry=r)
+        self.sessions_evicted = Counter(
+            "kvrouter_sessions_evicted_total",
+            "Idle sessions evicted to stay under affinity.max_sessions, least recently used first: "
+            "store=memory from this router's session table, store=redis from the shared keys.",
+            ["store"],
+            registry=r,
+        )
         self.load_max_over_mean = Gauge(
             "kvrouter_load_max_over_mean_ratio",
             "Max over mean of in-flight requests across healthy replicas.",

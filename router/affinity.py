@@ -3,20 +3,32 @@
 `MemoryAffinityStore` (the default) is the local `SessionTable`, through `LocalAffinity` (its
 synchronous form, which the cluster simulator calls directly). `RedisAffinityStore` shares homes
 and in-flight counts between router instances. In-flight counts are kept per router, in a field
-`r:<router id>` of the session hash, and only count while that router's heartbeat in the
-`routers` sorted set is younger than `lease_s`: a router that dies cannot leak counts. Every
-update is one Lua script (atomic). If Redis fails, requests keep flowing on the local table,
+`r:<router id>` of the session hash, and only count while that router's heartbeat (a sorted set
+of routers, one per key bucket) is younger than `lease_s`: a router that dies cannot leak counts.
+Every update is one Lua script (atomic). If Redis fails, requests keep flowing on the local table,
 `degraded` is set, and Redis is retried after `retry_after_s`.
 
 Routing calls the store through `router/placement.py`: `begin` and `move` are a placement's
 `confirm_home`, made after the chosen replica's in-flight slot is already reserved.
 
+Both are bounded: the local table holds `max_sessions` sessions at most, and in Redis each of the
+`buckets` key buckets (router/affinity_lua.py) holds ceil(max_sessions / buckets) at most; the
+least recently used idle session goes first, one with a request in flight never (if a bucket has
+only busy sessions it stays over its cap until one is idle). So clients inventing session ids
+grow neither router memory nor Redis without bound. Evictions are reported to `on_evict`.
+
+Redis Cluster: every script is sent keys of one bucket, and a bucket's keys share one hash tag,
+so every call touches one slot (router/affinity_lua.py says how). With `cluster=True` calls go
+through redis-py's cluster client (router/redis_cluster.py), which routes each to its slot's node.
+
 A request makes one round trip before its routing decision (`acquire`: read the session and
 count the request), one more only when it gives the session its first home or a new one
 (`begin`), and releases its count after the response, off the request's path (`end`), batched
-with the other releases of that moment. All calls share one pipelined connection
-(`redis_pipe.py`), so Redis runs them in the order they were sent. A call that fails may still
-have run: the sessions it touched get this router's count set outright on the next heartbeat.
+with the other releases of that moment (one call per bucket in the batch). On a single node all
+calls share one pipelined connection (`redis_pipe.py`), so Redis runs them in the order they were
+sent. A call that fails may still have run: the sessions it touched get this router's count set
+outright on the next heartbeat. (On a cluster, redis-py may spread concurrent calls to one node
+over several connections: that order, and so this correction, is best effort there.)
 """
 
 from __future__ import annotations
@@ -30,79 +42,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..policies.base import SessionView
+from . import affinity_lua as lua
+from .redis_cluster import ClusterRedis
 from .redis_pipe import PipelinedRedis, Script
-from .sessions import SessionTable
+from .sessions import DEFAULT_MAX_SESSIONS, SessionTable
 
 log = logging.getLogger("kvrouter.affinity")
 
-# ARGV: lease (ms), ttl, and for `acquire` this router's id
-_GET = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local h = redis.call('HGETALL', KEYS[1])
-local home = false
-local total = 0
-for i = 1, #h, 2 do
-  local f = h[i]
-  if f == 'home' then
-    home = h[i + 1]
-  elseif string.sub(f, 1, 2) == 'r:' then
-    local beat = redis.call('ZSCORE', KEYS[2], string.sub(f, 3))
-    if beat and now - tonumber(beat) <= tonumber(ARGV[1]) then
-      total = total + tonumber(h[i + 1])
-    else
-      redis.call('HDEL', KEYS[1], f)
-    end
-  end
-end
-if ARGV[3] then  -- acquire: count this request too (after reading the others)
-  redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[3], 1)
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-elseif home then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-return {home, total}
-"""
-
-# ARGV: ttl, home, force (1 = overwrite an existing home). Returns the home now stored.
-_CLAIM = """
-if ARGV[3] == '1' or redis.call('HEXISTS', KEYS[1], 'home') == 0 then
-  redis.call('HSET', KEYS[1], 'home', ARGV[2])
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return redis.call('HGET', KEYS[1], 'home')
-"""
-
-_END = """
-for i, key in ipairs(KEYS) do
-  local n = redis.call('HINCRBY', key, 'r:' .. ARGV[1], -tonumber(ARGV[i + 1]))
-  if n <= 0 then redis.call('HDEL', key, 'r:' .. ARGV[1]) end
-end
-return #KEYS
-"""
-# This router's own count of each session, set outright (after a call whose outcome is unknown).
-_SET_COUNTS = """
-for i, key in ipairs(KEYS) do
-  local n = tonumber(ARGV[i + 2])
-  if n > 0 then
-    redis.call('HSET', key, 'r:' .. ARGV[1], n)
-    redis.call('EXPIRE', key, ARGV[2])
-  else
-    redis.call('HDEL', key, 'r:' .. ARGV[1])
-  end
-end
-return #KEYS
-"""
 # Decrements (or counts set) in one call at most (one Redis command however many requests ended).
 _END_BATCH = 256
-
-_HEARTBEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]) * 10)
-return now
-"""
+CLUSTER_BUCKETS = 64  # key buckets on a Redis Cluster unless configured
 
 
 class AffinityStore(Protocol):
@@ -180,7 +129,7 @@ class MemoryAffinityStore:
 
 
 class RedisAffinityStore:
-    """Homes and in-flight counts shared by every router on one Redis."""
+    """Homes and in-flight counts shared by every router on one Redis (or one Redis Cluster)."""
 
     def __init__(
         self,
@@ -195,16 +144,26 @@ class RedisAffinityStore:
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[str], None] | None = None,
         password: str | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        buckets: int | None = None,
+        cluster: bool = False,
+        on_evict: Callable[[int], None] | None = None,
     ) -> None:
         self.table = table
         self.local = MemoryAffinityStore(table, clock)
         self.router_id = uuid.uuid4().hex[:12]
         self.prefix = key_prefix
+        if buckets is None:  # a cluster spreads its buckets over nodes; one node batches better with one
+            buckets = CLUSTER_BUCKETS if cluster else 1
+        self.keys = lua.BucketKeys(key_prefix, buckets)
+        self.bucket_cap = -(-max_sessions // buckets)  # sessions per bucket at most
         self.ttl_s = ttl_s
         self.lease_ms = int(lease_s * 1000)
         self.retry_after_s = retry_after_s
         self.clock = clock
         self.on_error = on_error or (lambda op: None)
+        self.on_evict = on_evict or (lambda n: None)
+        self.evicted = 0  # sessions this router's calls evicted from Redis
         self.degraded = False
         self._down_until = 0.0
         self._acquired: dict[str, int] = {}  # sessions whose count Redis holds for this router
@@ -217,19 +176,36 @@ class RedisAffinityStore:
         self._to_release: dict[str, int] = {}  # decrements not sent yet (the flusher's next batch)
         self._flusher: asyncio.Task[None] | None = None  # sends them, one batch per round trip
         self._closed = False
-        # One pipelined connection: calls from all requests share it (router/redis_pipe.py).
-        self.redis = PipelinedRedis(url, timeout=op_timeout_s, password=password or None)
-        self._get, self._claim = Script(_GET), Script(_CLAIM)
-        self._end, self._beat = Script(_END), Script(_HEARTBEAT)
-        self._set_counts = Script(_SET_COUNTS)
+        # Single node: one pipelined connection that calls from all requests share
+        # (router/redis_pipe.py). Cluster: redis-py's cluster client routes each call to its slot.
+        self.redis: PipelinedRedis | ClusterRedis
+        if cluster:
+            self.redis = ClusterRedis(url, timeout=op_timeout_s, password=password or None)
+        else:
+            self.redis = PipelinedRedis(url, timeout=op_timeout_s, password=password or None)
+        self._get, self._claim = Script(lua.GET), Script(lua.CLAIM)
+        self._end, self._beat = Script(lua.END), Script(lua.HEARTBEAT)
+        self._set_counts = Script(lua.SET_COUNTS)
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def _key(self, session: str) -> str:
-        return f"{self.prefix}s:{session}"
+        return self.keys.session(session)
 
-    @property
-    def _routers_key(self) -> str:
-        return f"{self.prefix}routers"
+    def _session_keys(self, session: str) -> list[str]:
+        """The keys of one session's script call: its hash, its bucket's routers and LRU index."""
+        b = self.keys.bucket(session)
+        return [self.keys.session(session, b), self.keys.routers[b], self.keys.lru[b]]
+
+    def _by_bucket(self, sessions: list[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = {}
+        for session in sessions:
+            groups.setdefault(self.keys.bucket(session), []).append(session)
+        return groups
+
+    def _count_evicted(self, n: int) -> None:
+        if n:
+            self.evicted += n
+            self.on_evict(n)
 
     def _usable(self) -> bool:
         return self.clock() >= self._down_until
@@ -253,8 +229,10 @@ class RedisAffinityStore:
         if count:
             self._reading[key] = self._reading.get(key, 0) + 1
         try:
-            args: list[object] = [self.lease_ms, self.ttl_s] + ([self.router_id] if count else [])
-            home, total = await self.redis.evalsha(self._get, [self._key(key), self._routers_key], args)
+            args: list[object] = [self.lease_ms, self.ttl_s, self.bucket_cap]
+            if count:
+                args.append(self.router_id)
+            home, total, evicted = await self.redis.evalsha(self._get, self._session_keys(key), args)
             self._ok()
         except Exception as err:  # any Redis failure degrades, never fails a request
             self._failed(op, err)
@@ -266,6 +244,7 @@ class RedisAffinityStore:
                 left = self._reading.pop(key) - 1
                 if left:
                     self._reading[key] = left
+        self._count_evicted(evicted)
         home = home.decode() if isinstance(home, bytes) else None
         if home is not None:
             self.table.touch(key, self.clock(), home=home)
@@ -294,19 +273,25 @@ class RedisAffinityStore:
             self._homeless.discard(key)
         return view
 
+    async def _claim_home(self, key: str, home: str, force: bool) -> str | None:
+        """Store `home` as the session's home (`force`: even over another); returns the stored one."""
+        args = [self.ttl_s, home, int(force), self.lease_ms, self.bucket_cap]
+        shared, evicted = await self.redis.evalsha(self._claim, self._session_keys(key), args)
+        self._count_evicted(evicted)
+        return shared.decode() if isinstance(shared, bytes) else None
+
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None:
         local_home = await self.local.begin(key, home, force=force, tokens=tokens)
         # Redis already has this session's home unless it had none at acquire: nothing to send.
         if home is None or not (force or key in self._homeless) or not self._usable():
             return local_home
         try:
-            shared = await self.redis.evalsha(self._claim, [self._key(key)], [self.ttl_s, home, int(force)])
+            shared_home = await self._claim_home(key, home, force)
             self._ok()
         except Exception as err:
             self._failed("begin", err)
             return local_home
         self._homeless.discard(key)
-        shared_home = shared.decode() if isinstance(shared, bytes) else None
         if shared_home is not None and shared_home != local_home:
             self.table.touch(key, self.clock(), home=shared_home)  # another router won
         return shared_home or local_home
@@ -338,7 +323,7 @@ class RedisAffinityStore:
 
     async def _flush_releases(self) -> None:
         """Send the pending decrements, a batch per round trip: under load, the requests that
-        ended while one batch was on the wire share the next command."""
+        ended while one batch was on the wire share the next commands (one per bucket)."""
         try:
             while self._to_release:
                 batch = dict(itertools.islice(self._to_release.items(), _END_BATCH))
@@ -359,7 +344,14 @@ class RedisAffinityStore:
             self._flusher = None
 
     async def _send_end(self, counts: dict[str, int]) -> None:
-        await self.redis.evalsha(self._end, [self._key(k) for k in counts], [self.router_id, *counts.values()])
+        calls = [
+            self.redis.evalsha(self._end, [self.keys.session(k, b) for k in sessions],
+                               [self.router_id, *(counts[k] for k in sessions)])
+            for b, sessions in self._by_bucket(list(counts)).items()
+        ]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def settle(self) -> None:
         """Wait until every release so far has reached Redis (or failed)."""
@@ -373,29 +365,37 @@ class RedisAffinityStore:
         applies on top; sessions with an acquire reply or a release batch still on the way
         wait for the next heartbeat (their outcome would change what this router knows)."""
         ready = [k for k in self._uncertain if k not in self._reading and k not in self._releasing]
-        for start in range(0, len(ready), _END_BATCH):
-            batch = ready[start:start + _END_BATCH]
-            for key in batch:
-                self._to_release.pop(key, None)  # included: the count below has these ends
-            counts = [self._acquired.get(key, 0) for key in batch]
-            # If this call fails, the sessions stay uncertain and are set again next time.
-            await self.redis.evalsha(self._set_counts, [self._key(k) for k in batch],
-                                     [self.router_id, self.ttl_s, *counts])
-            self._uncertain.difference_update(batch)
+        for b, sessions in self._by_bucket(ready).items():
+            for start in range(0, len(sessions), _END_BATCH):
+                batch = sessions[start:start + _END_BATCH]
+                for key in batch:
+                    self._to_release.pop(key, None)  # included: the count below has these ends
+                counts = [self._acquired.get(key, 0) for key in batch]
+                # If this call fails, the sessions stay uncertain and are set again next time.
+                await self.redis.evalsha(self._set_counts,
+                                         [self.keys.lru[b], *(self.keys.session(k, b) for k in batch)],
+                                         [self.router_id, self.ttl_s, *counts])
+                self._uncertain.difference_update(batch)
 
     async def move(self, key: str, home: str) -> None:
         await self.local.move(key, home)
         if not self._usable():
             return
         try:
-            await self.redis.execute(b"HSET", self._key(key), b"home", home)
+            await self._claim_home(key, home, force=True)
             self._ok()
         except Exception as err:
             self._failed("move", err)
 
     async def _heartbeat(self) -> None:
+        """Renew this router's lease in every bucket (each bucket keeps its own, see
+        router/affinity_lua.py), then set the counts left uncertain by failed calls."""
         try:
-            await self.redis.evalsha(self._beat, [self._routers_key], [self.router_id, self.lease_ms])
+            beats = [self.redis.evalsha(self._beat, [routers], [self.router_id, self.lease_ms])
+                     for routers in self.keys.routers]
+            for outcome in await asyncio.gather(*beats, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             self._ok()
             await self._reconcile()
         except Exception as err:

@@ -81,7 +81,9 @@ class Router:
                 )
         else:
             self.index = ShadowKVIndex(block_tokens=max(1, config.routing.block_chars // 4))
-        self.table = SessionTable(config.routing.session_ttl_s)
+        evicted = self.metrics.sessions_evicted
+        self.table = SessionTable(config.routing.session_ttl_s, max_sessions=config.affinity.max_sessions,
+                                  on_evict=evicted.labels("memory").inc)
         self.engine = RoutingEngine(
             self.policy, self.registry, self.index, self.table, rng or random.Random(),
             metrics=self.metrics,
@@ -118,6 +120,8 @@ class Router:
             op_timeout_s=a.op_timeout_s, retry_after_s=a.retry_after_s, clock=self.clock,
             on_error=lambda op: self.metrics.affinity_errors.labels(op).inc(),
             password=os.environ.get(a.password_env) if a.password_env else None,
+            max_sessions=a.max_sessions, buckets=a.redis_buckets, cluster=a.redis_cluster,
+            on_evict=self.metrics.sessions_evicted.labels("redis").inc,
         )
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:

@@ -223,11 +223,36 @@ class AffinityConfig(_Strict):
         None, description="Environment variable holding the Redis AUTH password (instead of putting "
         "it in redis_url); never logged.",
     )
-    key_prefix: str = Field("kvrouter:", description="Prefix of every Redis key (isolation).")
+    key_prefix: str = Field(
+        "kvrouter:", description="Prefix of every Redis key (isolation); no '{' or '}' (they make "
+        "Redis Cluster hash tags).",
+    )
     ttl_s: int = Field(3600, ge=1, description="Session key TTL, refreshed on use.")
     lease_s: float = Field(10.0, gt=0, description="A router's in-flight counts expire this long after its last heartbeat.")
     op_timeout_s: float = Field(0.25, gt=0, description="Timeout of one Redis operation.")
     retry_after_s: float = Field(1.0, gt=0, description="After a Redis failure, local state only for this long.")
+    max_sessions: int = Field(
+        1_000_000, ge=1, description="Sessions kept at most, in the router's table and in Redis; the "
+        "least recently used idle one is evicted first, one with a request in flight never (if all "
+        "are busy the cap is exceeded until one is idle).",
+    )
+    redis_cluster: bool = Field(
+        False, description="redis_url names a node of a Redis (or Valkey) Cluster: calls are routed "
+        "to each key's slot node. Off: one pipelined connection to a single Redis.",
+    )
+    redis_buckets: int | None = Field(
+        None, ge=1, le=16384, description="Redis keys are spread over this many hash-tagged buckets "
+        "(each one cluster slot), each holding ceil(max_sessions / redis_buckets) sessions at most. "
+        "Default: 64 with redis_cluster (spread over the nodes), else 1 (releases batch into one "
+        "call). Every router sharing key_prefix must use the same value.",
+    )
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_hash_tag(cls, value: str) -> str:
+        if "{" in value or "}" in value:
+            raise ValueError("must not contain '{' or '}' (keys carry their own Redis Cluster hash tags)")
+        return value
 
 
 class PolicyConfig(_Strict):

@@ -146,7 +146,7 @@ async def test_releases_ending_together_share_one_command(redis_server):
         await s.settle()
         assert 1 <= await end_calls() - before <= 3
         assert [(await other.get(k)).in_flight for k in sorted(set(keys))] == [0] * 50
-        assert await counter.hgetall("t:s:b0") == {b"home": b"http://r1"}  # count fields removed
+        assert await counter.hgetall(s._key("b0")) == {b"home": b"http://r1"}  # count fields removed
     finally:
         await counter.aclose()
         await s.close(), await other.close()
@@ -165,7 +165,7 @@ async def test_counts_of_calls_with_unknown_outcome_are_set_right_by_the_heartbe
     field = "r:" + s.router_id
 
     async def count(key: str) -> int:
-        return int(await observer.hget(f"t:s:{key}", field) or 0)
+        return int(await observer.hget(s._key(key), field) or 0)
 
     try:
         await request(s, "warm", "http://r1")

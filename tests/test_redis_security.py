@@ -8,6 +8,8 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from kvrouter.router.affinity_lua import BucketKeys
+
 from .fakes import FakeUpstream
 from .fault_ledger import fake_counts
 from .redis_server import TEST_PASSWORD as PASSWORD
@@ -36,7 +38,7 @@ async def test_redis_auth_works_and_password_never_logged(start_app, start_route
     assert not router.affinity.degraded
     r = aioredis.Redis.from_url(redis_auth.url)
     try:
-        assert await r.hget("auth:s:s1", "home") == replica.encode()
+        assert await r.hget(router.affinity._key("s1"), "home") == replica.encode()
     finally:
         await r.aclose()
     assert PASSWORD not in caplog.text
@@ -71,18 +73,19 @@ async def test_key_prefix_isolation(start_app, start_router, redis_server):
                                   signals=quiet, policy={"name": "round_robin"})
     assert await _requests(url_a, ["shared", "only-a"]) == [200, 200]
     assert await _requests(url_b, ["x", "shared"]) == [200, 200]  # round robin: "shared" lands elsewhere in b
+    a, b = BucketKeys("tenant-a:", 1), BucketKeys("tenant-b:", 1)  # a single Redis: one bucket
     r = aioredis.Redis.from_url(redis_server.url)
     try:
         keys = sorted(k.decode() for k in await r.keys("*"))
-        home_a = await r.hget("tenant-a:s:shared", "home")
-        home_b = await r.hget("tenant-b:s:shared", "home")
-        routers_a = await r.zcard("tenant-a:routers")
-        routers_b = await r.zcard("tenant-b:routers")
+        home_a = await r.hget(a.session("shared"), "home")
+        home_b = await r.hget(b.session("shared"), "home")
+        routers_a = await r.zcard(a.routers[0])
+        routers_b = await r.zcard(b.routers[0])
     finally:
         await r.aclose()
-    assert all(k.startswith(("tenant-a:", "tenant-b:")) for k in keys), keys
-    assert {"tenant-a:s:shared", "tenant-a:s:only-a", "tenant-b:s:shared", "tenant-b:s:x"} <= set(keys)
-    assert "tenant-b:s:only-a" not in keys
+    assert all(k.startswith(("{tenant-a:", "{tenant-b:")) for k in keys), keys
+    assert {a.session("shared"), a.session("only-a"), b.session("shared"), b.session("x")} <= set(keys)
+    assert b.session("only-a") not in keys
     assert home_a == replicas[0].encode() and home_b == replicas[1].encode()  # independent homes
     assert routers_a == routers_b == 1  # each prefix sees only its own router's lease
 

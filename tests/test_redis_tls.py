@@ -75,7 +75,7 @@ async def test_affinity_over_mutual_tls(start_app, start_router, redis_auth, pki
         assert await _requests(base, ["t1", "t2", "t1"]) == [200, 200, 200]
         assert not router.affinity.degraded
         assert tls.sessions >= 1
-        assert await _stored_home(redis_auth, "tls:s:t1") == replica.encode()
+        assert await _stored_home(redis_auth, router.affinity._key("t1")) == replica.encode()
         assert PASSWORD not in caplog.text
     finally:
         await tls.stop()
@@ -101,7 +101,7 @@ async def test_untrusted_redis_certificate_is_refused_and_routing_degrades(start
         assert statuses == [200] * 4
         assert router.affinity.degraded
         assert tls.sessions == 0  # every handshake was refused by the router's client
-        assert await _stored_home(redis_auth, "tls:s:u0") is None
+        assert await _stored_home(redis_auth, router.affinity._key("u0")) is None
         fault_record.replica(fake_counts("replica", upstream))
     finally:
         await tls.stop()
