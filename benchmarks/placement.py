@@ -44,7 +44,8 @@ def build(n: int, policy: str, rng: random.Random) -> tuple[RoutingEngine, list[
             key = f"s{i}-{s}"
             blocks = random_prompt(rng)
             engine.index.record(url, blocks)
-            table.begin(key, url, force=False, tokens=PROMPT_TOKENS, now=0)
+            table.acquire(key, 0)
+            table.assign(key, url, force=False, tokens=PROMPT_TOKENS, now=0)
             table.release(key, 0)
             sessions.append((key, blocks))
     return engine, sessions

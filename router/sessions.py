@@ -106,12 +106,6 @@ class SessionTable:
             self.evicted += evicted
             self.on_evict(evicted)
 
-    def begin(self, key: str, home: str | None, *, force: bool, tokens: int, now: float) -> str | None:
-        """A request of `key` is dispatched: `assign`, and count it in flight."""
-        assigned = self.assign(key, home, force=force, tokens=tokens, now=now)
-        self._entries[key].in_flight += 1
-        return assigned
-
     def acquire(self, key: str, now: float) -> None:
         """Count a request of `key` in flight before its replica is chosen (see `assign`)."""
         self.touch(key, now).in_flight += 1

@@ -178,7 +178,8 @@ def test_engine_settles_fresh_replicas_at_the_declared_ratio():
 def test_engine_moves_no_homes_for_a_policy_without_affinity():
     eng = _engine("least-load")
     for i in range(6):
-        eng.table.begin(f"s{i}", "r0", force=False, tokens=100_000, now=0)
+        eng.table.acquire(f"s{i}", 0)
+        eng.table.assign(f"s{i}", "r0", force=False, tokens=100_000, now=0)
         eng.table.release(f"s{i}", 0)
     eng.add_replica("r2", now=0)
     assert eng.plan_rebalance(now=1000, min_fresh_age_s=0, max_moves=4, kv_pressure=True) == []
@@ -190,7 +191,8 @@ def test_engine_kv_pressure_uses_the_declared_capacity():
     for params, moved in (({"cost": {"default_capacity_tokens": 1_000_000}}, False), ({}, True)):
         eng = _engine("coding-agent", params)
         for i in range(6):
-            eng.table.begin(f"s{i}", "r0", force=False, tokens=100_000, now=0)
+            eng.table.acquire(f"s{i}", 0)
+            eng.table.assign(f"s{i}", "r0", force=False, tokens=100_000, now=0)
             eng.table.release(f"s{i}", 0)
         moves = eng.plan_rebalance(now=1000, min_fresh_age_s=0, max_moves=4, kv_pressure=True)
         assert bool(moves) is moved

@@ -70,7 +70,8 @@ def test_session_table_tracks_homes_and_kv_demand():
     assert t.homed_sessions["a"] == 2 and t.homed_tokens["a"] == 200
     t.set_home("s2", "b", 2)
     assert t.homed_tokens == {"a": 150, "b": 50}
-    t.begin("s1", None, force=False, tokens=150, now=3)
+    t.acquire("s1", 3)
+    t.assign("s1", None, force=False, tokens=150, now=3)
     assert t.expire(100) == 1  # s2 idle past TTL; s1 in flight stays
     assert t.homed_tokens["b"] == 0 and "a" in changed
 
@@ -87,7 +88,8 @@ def test_rebalance_moves_a_bounded_number_of_small_idle_sessions_to_fresh():
     for i in range(6):
         eng.table.touch(f"s{i}", 0, home="r0", tokens=10_000 * (i + 1))
     eng.table.touch("busy", 0, home="r0", tokens=1_000)
-    eng.table.begin("busy", None, force=False, tokens=1_000, now=0)
+    eng.table.acquire("busy", 0)
+    eng.table.assign("busy", None, force=False, tokens=1_000, now=0)
     eng.add_replica("r2", now=0)
     assert eng.plan_rebalance(now=1, min_fresh_age_s=10, max_moves=3) == []  # give arrivals a chance
     moves = eng.plan_rebalance(now=20, min_fresh_age_s=10, max_moves=3)
@@ -157,7 +159,8 @@ def test_match_limit_keeps_the_deepest_holders():
 def test_a_replica_coming_back_shows_the_sessions_still_homed_on_it():
     eng = _engine(2)
     for i in range(3):
-        eng.table.begin(f"s{i}", "r1", force=False, tokens=100_000, now=0)
+        eng.table.acquire(f"s{i}", 0)
+        eng.table.assign(f"s{i}", "r1", force=False, tokens=100_000, now=0)
     eng.remove_replica("r1")
     eng.add_replica("r1", now=1)
     view = eng.registry.view("r1")
@@ -167,7 +170,8 @@ def test_a_replica_coming_back_shows_the_sessions_still_homed_on_it():
 def test_kv_pressure_rebalance_moves_long_idle_sessions_only_when_enabled():
     eng = _engine(3)  # default capacity 444,672 tokens per replica
     for i in range(6):  # 600k tokens homed on r0: over its whole capacity
-        eng.table.begin(f"s{i}", "r0", force=False, tokens=100_000, now=i * 100)
+        eng.table.acquire(f"s{i}", i * 100)
+        eng.table.assign(f"s{i}", "r0", force=False, tokens=100_000, now=i * 100)
         eng.table.release(f"s{i}", i * 100)
     assert eng.plan_rebalance(now=600, min_fresh_age_s=10, max_moves=4) == []  # off by default
     moves = eng.plan_rebalance(now=600, min_fresh_age_s=10, max_moves=4, kv_pressure=True)
