@@ -18,19 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .compare import (
-    CompareConfig,
-    CompareError,
-    RunData,
-    failures_table,
-    markdown_table,
-    parse_external,
-    run_compare,
-    write_outputs,
-)
+from .compare import run_compare
+from .compare_config import CompareConfig, RunData, parse_external
+from .compare_report import failures_table, markdown_table, write_outputs
 from .fit import limits_for_profile, limits_from_metrics, refusal
+from .process_group import CompareError
 from .report import RequestRecord
-from .workload import WorkloadConfigError, load_workload
+from .workload_config import WorkloadConfigError, load_workload
 
 # The demo: 4 replicas of the default profile (KV for ~4 sessions of 100k tokens each) and 48
 # coding-agent users (3x what fits), each user's first session starting mid-life so prompts are
