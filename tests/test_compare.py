@@ -221,3 +221,12 @@ def test_loadtest_cli_needs_one_mode(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["loadtest", "--target", "http://127.0.0.1:9", "--duration", "1", "--users", "2",
                  "--trace", "x"]) == 2
     assert "exactly one of" in capsys.readouterr().err
+
+
+def test_loadtest_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "trace_bad.json"
+    bad.write_text('{"id": "bad"}')
+    for trace in (tmp_path / "missing.jsonl", bad):
+        assert main(["loadtest", "--target", "http://127.0.0.1:9", "--duration", "1",
+                     "--trace", str(trace)]) == 2
+        assert f"--trace {trace}:" in capsys.readouterr().err
