@@ -78,6 +78,8 @@ def contender_key(name: str, users: int, sweep: bool) -> str:
 
 @dataclass
 class CompareConfig:
+    """One comparison: the fleet, the workload, the contenders, the users levels and the timing."""
+
     replicas: int = 8
     profile: str = "kimi-k2.6-b200-tp4"
     workload: str = "coding-agent"

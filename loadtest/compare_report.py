@@ -28,6 +28,8 @@ def build_compare_report(
     runs: Sequence[RunData],
     wall_s: float,
 ) -> dict[str, Any]:
+    """The results JSON: one result per run (``NAME@uN`` with several users levels, plus a
+    ``sweep`` section per contender) and the settings under ``workload``."""
     sweep = len(cfg.users) > 1
     results: dict[str, Any] = {}
     by_contender: dict[str, list[dict[str, Any]]] = {}
@@ -143,6 +145,8 @@ def write_outputs(
     out_dir: Path | None,
     json_path: Path | None,
 ) -> list[Path]:
+    """Write the results JSON to ``json_path`` and, with ``out_dir``, ``report.md`` and the charts
+    there (and the JSON as ``out_dir/results.json`` when no ``json_path``); returns what it wrote."""
     written: list[Path] = []
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 Each session (see :mod:`kvrouter.loadtest.workload`) runs closed loop: think, send its turn
 (``k`` concurrent requests on a fan-out), wait for every reply, append the server's actual reply
 text to the history, repeat. Sessions come from a fixed number of concurrent ``users`` (each runs
-sessions back to back) or from Poisson arrivals at ``arrival_rate`` sessions per model-second.
+sessions back to back), from Poisson arrivals at ``arrival_rate`` sessions per model-second, or
+from a trace's ``arrivals`` (each session starts at its own time).
 
 Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_options:
 {"include_usage": true}`` and the header ``x-session-id``. Measured per request: the
