@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_scenarios as sc  # noqa: E402
 from portable import portable_command  # noqa: E402
-from kvrouter.loadtest.compare import free_port  # noqa: E402
+from kvrouter.loadtest.process_group import free_port  # noqa: E402
 
 
 def _ready(url: str) -> bool:

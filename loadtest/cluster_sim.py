@@ -37,7 +37,9 @@ from .profiles import Profile, load_profile
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .report import RequestRecord, summarize_requests
 from .segment_keys import SegmentKeyCache
-from .workload import Session, TurnRequest, WorkloadConfig, make_session
+from .turn_request import TurnRequest
+from .workload import Session, make_session
+from .workload_config import WorkloadConfig
 
 ROUTE = "/v1/chat/completions"
 _SCALE, _WAKE, _POLL, _HOUSE, _SAMPLE, _ARRIVE, _REQUEST = range(7)

@@ -18,19 +18,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .compare import (
-    CompareConfig,
-    CompareError,
-    RunData,
-    failures_table,
-    markdown_table,
-    parse_external,
-    run_compare,
-    write_outputs,
-)
+from .compare import run_compare
+from .compare_config import CompareConfig, RunData, parse_external
+from .compare_report import failures_table, markdown_table, write_outputs
 from .fit import limits_for_profile, limits_from_metrics, refusal
+from .process_group import CompareError
 from .report import RequestRecord
-from .workload import WorkloadConfigError, load_workload
+from .traces import trace_sessions
+from .workload_config import WorkloadConfigError, load_workload
 
 # The demo: 4 replicas of the default profile (KV for ~4 sessions of 100k tokens each) and 48
 # coding-agent users (3x what fits), each user's first session starting mid-life so prompts are
@@ -94,19 +89,6 @@ def _name_list(text: str) -> list[str]:
 TRACE_MAX_CONTEXT_TOKENS = 262_144
 
 
-def _trace_sessions(path: str) -> Any:
-    """HOOK (trace replay): ``[(start model s, session), ...]`` from
-    ``kvrouter.loadtest.traces.trace_sessions``; None when that module or function is missing."""
-    try:
-        from . import traces
-    except ImportError:
-        return None
-    fn = getattr(traces, "trace_sessions", None)
-    if fn is None:
-        return None
-    return fn(path, max_context_tokens=TRACE_MAX_CONTEXT_TOKENS)
-
-
 def _metrics_limits(urls: list[str]) -> Any:
     """The first replica's per-request limits from its /metrics page (None if unreadable)."""
     import urllib.request
@@ -131,12 +113,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     arrivals = None
     if args.trace is not None:
         try:
-            arrivals = _trace_sessions(args.trace)
+            arrivals = trace_sessions(args.trace, max_context_tokens=TRACE_MAX_CONTEXT_TOKENS)
         except (OSError, ValueError) as exc:
             _err(f"loadtest: --trace {args.trace}: {exc}")
-            return 2
-        if arrivals is None:
-            _err("loadtest: trace replay not available (kvrouter.loadtest.traces.trace_sessions is missing)")
             return 2
     try:
         workload = load_workload(args.workload)

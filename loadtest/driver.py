@@ -3,12 +3,13 @@
 Each session (see :mod:`kvrouter.loadtest.workload`) runs closed loop: think, send its turn
 (``k`` concurrent requests on a fan-out), wait for every reply, append the server's actual reply
 text to the history, repeat. Sessions come from a fixed number of concurrent ``users`` (each runs
-sessions back to back) or from Poisson arrivals at ``arrival_rate`` sessions per model-second.
+sessions back to back), from Poisson arrivals at ``arrival_rate`` sessions per model-second, or
+from a trace's ``arrivals`` (each session starts at its own time).
 
 Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_options:
-{"include_usage": true}`` and the header ``x-session-id``. Measured per request: TTFT (send ->
-first chunk carrying content), mean inter-token latency, e2e, usage (prompt, completion and
-``prompt_tokens_details.cached_tokens``) and the ``x-kvrouter-replica`` response header if any.
+{"include_usage": true}`` and the header ``x-session-id``. Measured per request: the
+``x-kvrouter-replica`` response header if any, and from the stream
+(:mod:`kvrouter.loadtest.chat_stream`) TTFT, mean inter-token latency, e2e and usage.
 A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
 (HTTP error, error event, truncated stream, exception, cancellation at the drain timeout) is a
 failure. Every request issued produces exactly one record.
@@ -20,39 +21,35 @@ X, so reports are in model time. ``duration_s`` and ``drain_timeout_s`` are wall
 Bounded: no new turn starts after ``duration_s``; in-flight requests then get
 ``drain_timeout_s`` to finish, after which they are cancelled and counted as failed.
 
-While running, each replica's ``/metrics`` is sampled every ``metrics_interval_s`` and
-``num_running_reqs`` feeds the load-imbalance figures (see :mod:`kvrouter.loadtest.report`).
+While running, each replica's ``/metrics`` is sampled every ``metrics_interval_s``
+(:mod:`kvrouter.loadtest.replica_load_sampler`) and ``num_running_reqs`` feeds the load-imbalance
+figures (see :mod:`kvrouter.loadtest.report`).
 """
+
 
 from __future__ import annotations
 
 import asyncio
 import random
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import aiohttp
 import orjson
 
+from kvrouter.loadtest.chat_stream import read_chat_stream
+from kvrouter.loadtest.progress import ProgressFn, StderrProgress
+from kvrouter.loadtest.replica_load_sampler import metrics_url, sample_loads
 from kvrouter.loadtest.report import RequestRecord, build_report, summarize_requests
-from kvrouter.loadtest.workload import (
-    Session,
-    TurnRequest,
-    WorkloadConfig,
-    count_tokens,
-    load_workload,
-    make_session,
-)
-from kvrouter.metrics.sglang import parse_metrics_text
+from kvrouter.loadtest.turn_request import TurnRequest
+from kvrouter.loadtest.workload import Session, make_session
+from kvrouter.loadtest.workload_config import WorkloadConfig, load_workload
 from kvrouter.router.relay import REPLICA_HEADER  # the router names the serving replica in it
 
-__all__ = ["run_load", "StderrProgress", "SESSION_HEADER", "REPLICA_HEADER"]
+__all__ = ["run_load", "SESSION_HEADER"]
 
 SESSION_HEADER = "x-session-id"
-
-ProgressFn = Callable[[str], None]
 
 
 async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
@@ -61,30 +58,6 @@ async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
         task.cancel()
     if tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class StderrProgress:
-    """Default progress output: one ``\\r``-rewritten line on a TTY, else a line every ``every`` calls."""
-
-    def __init__(self, stream: TextIO | None = None, every: int = 10) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every = every
-        self._calls = 0
-        self._width = 0
-
-    def __call__(self, line: str) -> None:
-        self._calls += 1
-        if self.tty:
-            self._width = max(self._width, len(line))
-            self.stream.write("\r" + line.ljust(self._width))
-        elif self._calls % self.every == 1 or self.every <= 1:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def finish(self, line: str) -> None:
-        self.stream.write(("\r" + line.ljust(self._width) if self.tty else line) + "\n")
-        self.stream.flush()
 
 
 class _Run:
@@ -235,7 +208,7 @@ class _Run:
                     text = await resp.text(errors="replace")
                     rec.error = f"HTTP {resp.status}: {text[:200]}"
                     return None
-                return await self._read_stream(resp, rec, sent)
+                return await read_chat_stream(resp, rec, sent, self.now, self.time_scale)
         except asyncio.CancelledError:
             rec.error = "cancelled at drain timeout"
             raise
@@ -245,106 +218,6 @@ class _Run:
         finally:
             self.in_flight -= 1
             self.records.append(rec)
-
-    async def _read_stream(
-        self, resp: aiohttp.ClientResponse, rec: RequestRecord, sent: float
-    ) -> str | None:
-        ts = self.time_scale
-        parts: list[str] = []
-        first_chunk = first_token = last_token = None
-        usage: dict[str, Any] | None = None
-        done = False
-        buf = b""
-        async for data in resp.content.iter_any():
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, event:/id: fields
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                event = orjson.loads(payload)
-                if not isinstance(event, dict):
-                    continue
-                if event.get("error") is not None:
-                    rec.error = f"SSE error: {str(event['error'])[:200]}"
-                    return None
-                now = self.now()
-                for choice in event.get("choices") or ():
-                    if first_chunk is None:
-                        first_chunk = now
-                    delta = choice.get("delta") or {}
-                    content = delta.get("content") or delta.get("reasoning_content")
-                    if content:
-                        if first_token is None:
-                            first_token = now
-                        last_token = now
-                        parts.append(content)
-                if event.get("usage"):
-                    usage = event["usage"]
-        end = self.now()
-        if not done:
-            rec.error = "stream ended before data: [DONE]"
-            return None
-        text = "".join(parts)
-        completion = count_tokens(text)
-        if usage:
-            rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
-            completion = int(usage.get("completion_tokens") or completion)
-            details = usage.get("prompt_tokens_details") or {}
-            rec.cached_tokens = int(details.get("cached_tokens") or 0)
-        rec.completion_tokens = completion
-        first = first_token if first_token is not None else first_chunk
-        rec.ttft_s = ((first if first is not None else end) - sent) * ts
-        rec.e2e_s = (end - sent) * ts
-        if first_token is not None and last_token is not None and completion > 1 and last_token > first_token:
-            rec.itl_s = (last_token - first_token) / (completion - 1) * ts
-        rec.ok = True
-        return text
-
-
-def _metrics_url(base: str) -> str:
-    base = base.rstrip("/")
-    return base if base.endswith("/metrics") else base + "/metrics"
-
-
-async def _running_reqs(http: aiohttp.ClientSession, url: str, timeout_s: float) -> float | None:
-    try:
-        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-        value = parse_metrics_text(text).num_running_reqs
-        return None if value is None else float(value)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
-
-
-async def _sample_loads(
-    http: aiohttp.ClientSession,
-    urls: Sequence[str],
-    interval_s: float,
-    stop: asyncio.Event,
-    samples: list[list[float]],
-    times: list[float] | None = None,
-    clock: Callable[[], float] | None = None,
-) -> None:
-    """Append one sample (running requests per replica) every ``interval_s`` until ``stop``;
-    with ``times``, also the ``clock()`` value at which each kept sample was taken."""
-    while not stop.is_set():
-        t = clock() if clock is not None else 0.0
-        values = await asyncio.gather(*(_running_reqs(http, u, max(interval_s, 0.2)) for u in urls))
-        if all(v is not None for v in values):
-            samples.append([v for v in values if v is not None])
-            if times is not None:
-                times.append(t)
-        try:
-            await asyncio.wait_for(stop.wait(), interval_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 async def _report_progress(run: _Run, progress: ProgressFn, duration_s: float, stop: asyncio.Event) -> None:
@@ -439,10 +312,10 @@ async def run_load(
         stop = asyncio.Event()
         background = [asyncio.create_task(_report_progress(run, progress, duration_s, stop))]
         if replica_metrics_urls:
-            metrics_urls = [_metrics_url(u) for u in replica_metrics_urls]
+            metrics_urls = [metrics_url(u) for u in replica_metrics_urls]
             background.append(
                 asyncio.create_task(
-                    _sample_loads(
+                    sample_loads(
                         http, metrics_urls, metrics_interval_s, stop, samples, sample_times,
                         lambda: (run.now() - run.start) * time_scale,
                     )

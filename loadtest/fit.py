@@ -13,7 +13,8 @@ import statistics
 from dataclasses import dataclass
 
 from .profiles import load_profile
-from .workload import WorkloadConfig, make_session
+from .workload import make_session
+from .workload_config import WorkloadConfig
 
 DEFAULT_CONTEXT_LEN = 262_144  # the simulated replica's default (loadtest/sim_server.py)
 SESSIONS_CHECKED = 64  # first requests of this many sessions (a few ms to draw)

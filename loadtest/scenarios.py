@@ -27,7 +27,7 @@ from typing import Any
 from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig
 from .report import summarize_requests
 from .simulate import markdown_table
-from .workload import load_workload
+from .workload_config import load_workload
 
 POLICIES = ("coding-agent", "consistent-hash", "prefix-aware", "round-robin")
 SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka_claude_code"
@@ -103,7 +103,8 @@ def scale_out(duration_s: float = 600.0, at_s: float = 300.0, window_s: float = 
 
 
 def claude_code(traces: Path, replicas: int = 4, duration_s: float = 1800.0) -> tuple[str, dict[str, Any]]:
-    from .traces import claude_code_arrivals, reuse_bound
+    from .trace_claude_code import claude_code_arrivals
+    from .trace_stats import reuse_bound
 
     def arrivals():
         return claude_code_arrivals(traces, copies=2, max_context_tokens=262_144)

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
 
-from .workload import Segment
+from .turn_request import Segment
 
 
 _MASK = (1 << 64) - 1

@@ -19,7 +19,7 @@ from typing import Any
 
 from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig, replica_name
 from .report import build_report
-from .workload import load_workload
+from .workload_config import load_workload
 
 TABLE_COLUMNS = (
     ("requests_ok", "ok", "{:.0f}"),

@@ -1,8 +1,10 @@
-"""Synthetic coding-agent sessions: one structure, viewed as chat messages or as token counts.
+"""Synthetic coding-agent sessions drawn from a :class:`WorkloadConfig`, and their offline summary.
 
-Pure: no I/O except :func:`load_workload` reading YAML, no clock, no global randomness. Every
-session draws from its own ``random.Random`` (see :func:`make_session`), so session ``i`` of seed
-``s`` is the same whatever order or concurrency a driver runs sessions in.
+Pure: no I/O, no clock, no global randomness. Every session draws from its own ``random.Random``
+(see :func:`make_session`), so session ``i`` of seed ``s`` is the same whatever order or
+concurrency a driver runs sessions in. The config itself is loaded by
+:mod:`kvrouter.loadtest.workload_config`; requests and their messages are
+:mod:`kvrouter.loadtest.turn_request` types.
 
 Structure of a session (``Session.next_requests`` is a closed-loop state machine)::
 
@@ -12,12 +14,6 @@ Structure of a session (``Session.next_requests`` is a closed-loop state machine
     [reply 1]
     [turn 2 user/tool msg]   -> request 2 = all of the above, byte-identical, + the new message
     ...
-
-Every message is a :class:`Segment` (role, token count, content key). Its text is rendered lazily
-and deterministically from the key at ~4 ASCII characters per token, so the HTTP driver sends real
-text while the discrete-event simulator uses ``TurnRequest.segments`` / token counts and never builds
-a string. Assistant replies are whatever the server returned (the driver passes the text back), or
-a token count (the simulator), or ``None`` (a failed request: the expected length is used).
 
 Per turn, in a fixed order of draws: think time (mixture of tool-call latency and user reply),
 fan-out (with probability ``branch.rate`` the turn becomes ``k`` concurrent requests under the same
@@ -37,318 +33,12 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence, Union
+from typing import Sequence
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from .turn_request import ReplyLike, Segment, TurnRequest, reply_as_segment
+from .workload_config import WorkloadConfig
 
-__all__ = [
-    "Constant",
-    "LogNormal",
-    "Uniform",
-    "Choice",
-    "Dist",
-    "ThinkTime",
-    "Branching",
-    "WorkloadConfig",
-    "WorkloadConfigError",
-    "load_workload",
-    "builtin_workloads",
-    "Segment",
-    "reply_as_segment",
-    "TurnRequest",
-    "Session",
-    "make_session",
-    "summarize",
-    "synthetic_text",
-    "count_tokens",
-]
-
-CHARS_PER_TOKEN = 4
-WORKLOADS_DIR = Path(__file__).with_name("workloads")
-
-
-# --------------------------------------------------------------------------------------
-# Distributions
-# --------------------------------------------------------------------------------------
-
-_STRICT = ConfigDict(extra="forbid", frozen=True)
-
-
-class Constant(BaseModel):
-    model_config = _STRICT
-    dist: Literal["constant"] = "constant"
-    value: float = Field(ge=0)
-
-    def sample(self, rng: random.Random) -> float:
-        return self.value
-
-
-class LogNormal(BaseModel):
-    """Log-normal given by its median and 90th percentile, clipped to [min, max]."""
-
-    model_config = _STRICT
-    dist: Literal["lognormal"] = "lognormal"
-    median: float = Field(gt=0)
-    p90: float = Field(gt=0)
-    min: float = Field(default=0.0, ge=0)
-    max: float | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "LogNormal":
-        if self.p90 < self.median:
-            raise ValueError(f"p90 ({self.p90}) must be >= median ({self.median})")
-        if self.max is not None and self.max < self.min:
-            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
-        return self
-
-    @property
-    def sigma(self) -> float:
-        return math.log(self.p90 / self.median) / 1.2815515655446004  # z(0.9)
-
-    def sample(self, rng: random.Random) -> float:
-        x = rng.lognormvariate(math.log(self.median), self.sigma)
-        x = max(self.min, x)
-        return x if self.max is None else min(self.max, x)
-
-
-class Uniform(BaseModel):
-    model_config = _STRICT
-    dist: Literal["uniform"] = "uniform"
-    low: float = Field(ge=0)
-    high: float = Field(ge=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "Uniform":
-        if self.high < self.low:
-            raise ValueError(f"high ({self.high}) must be >= low ({self.low})")
-        return self
-
-    def sample(self, rng: random.Random) -> float:
-        return rng.uniform(self.low, self.high)
-
-
-class Choice(BaseModel):
-    model_config = _STRICT
-    dist: Literal["choice"] = "choice"
-    values: list[float] = Field(min_length=1)
-    weights: list[float] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "Choice":
-        if self.weights is not None:
-            if len(self.weights) != len(self.values):
-                raise ValueError("weights must have as many entries as values")
-            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-                raise ValueError("weights must be >= 0 with a positive sum")
-        return self
-
-    def sample(self, rng: random.Random) -> float:
-        return rng.choices(self.values, weights=self.weights)[0]
-
-
-def _scalar_to_constant(v: Any) -> Any:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return {"dist": "constant", "value": v}
-    return v
-
-
-#: A distribution; a bare number in YAML means a constant.
-Dist = Annotated[
-    Union[Constant, LogNormal, Uniform, Choice],
-    BeforeValidator(_scalar_to_constant),
-    Field(discriminator="dist"),
-]
-
-
-# --------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------
-
-
-class ThinkTime(BaseModel):
-    """Pause before a turn (after the previous reply finished): a tool call with probability
-    ``p_tool``, else a user reply. Seconds of model time."""
-
-    model_config = _STRICT
-    p_tool: float = Field(ge=0, le=1)
-    tool_s: Dist
-    user_s: Dist
-
-    def sample(self, rng: random.Random) -> float:
-        is_tool = rng.random() < self.p_tool
-        tool = self.tool_s.sample(rng)  # both drawn: a fixed number of draws per turn
-        user = self.user_s.sample(rng)
-        return tool if is_tool else user
-
-
-class Branching(BaseModel):
-    """With probability ``rate`` a turn fans out into ``fanout`` concurrent requests (>= 2)."""
-
-    model_config = _STRICT
-    rate: float = Field(default=0.0, ge=0, le=1)
-    fanout: Dist = Field(default_factory=lambda: Constant(value=2))
-
-
-class WorkloadConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "workload"
-    system_prompt_tokens: int = Field(ge=0)
-    repo_context_tokens: Dist
-    turns_per_session: Dist
-    new_tokens_per_turn: Dist
-    output_tokens: Dist
-    think_time: ThinkTime
-    branch: Branching = Field(default_factory=Branching)
-    edit_rate: float = Field(default=0.0, ge=0, le=1)
-    max_context_tokens: int = Field(gt=0)
-    on_context_full: Literal["compact", "end"] = "compact"
-    compact_summary_tokens: int = Field(default=0, ge=0)
-
-
-class WorkloadConfigError(ValueError):
-    """A workload file that does not parse or validate; the message names file and key."""
-
-
-def builtin_workloads() -> list[str]:
-    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.yaml"))
-
-
-def load_workload(path_or_name: str | Path) -> WorkloadConfig:
-    """Load a workload YAML file, or a built-in by name (``coding-agent``, ``tiny``)."""
-    path = Path(path_or_name)
-    if not path.is_file():
-        builtin = WORKLOADS_DIR / f"{path_or_name}.yaml"
-        if not builtin.is_file():
-            raise WorkloadConfigError(
-                f"workload {str(path_or_name)!r}: no such file and not a built-in "
-                f"({', '.join(builtin_workloads())})"
-            )
-        path = builtin
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise WorkloadConfigError(f"workload error: {path}: invalid YAML: {exc}") from exc
-    return parse_workload(data, source=str(path))
-
-
-def parse_workload(data: Any, source: str = "<dict>") -> WorkloadConfig:
-    if not isinstance(data, dict):
-        raise WorkloadConfigError(f"workload error: {source}: expected a mapping at top level")
-    try:
-        return WorkloadConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"workload error: {source}: {loc}: {msg}")
-        raise WorkloadConfigError("\n".join(lines)) from None
-
-
-# --------------------------------------------------------------------------------------
-# Text
-# --------------------------------------------------------------------------------------
-
-_WORDS = (
-    "def", "return", "self", "import", "class", "if", "else", "for", "in", "while", "try",
-    "except", "yield", "async", "await", "None", "True", "False", "value", "result", "items",
-    "config", "request", "response", "cache", "token", "page", "index", "count", "buffer",
-    "session", "replica", "prefix", "=", "==", "+=", "(", ")", ":", ",", ".", "[", "]", "0",
-    "1", "x", "y", "n", "path", "len", "dict", "list", "str", "int", "assert", "raise",
-)
-
-
-def synthetic_text(key: str, n_tokens: int) -> str:
-    """Deterministic pseudo-code of exactly ``4 * n_tokens`` ASCII characters for ``key``."""
-    if n_tokens <= 0:
-        return ""
-    rng = random.Random(key)  # str seeds hash with SHA-512: stable across runs and hosts
-    target = CHARS_PER_TOKEN * n_tokens
-    lines: list[str] = []
-    size = 0
-    while size < target:
-        line = "    " * rng.randrange(4) + " ".join(rng.choices(_WORDS, k=rng.randint(3, 12))) + "\n"
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)[:target]
-
-
-@lru_cache(maxsize=8)
-def _shared_text(key: str, n_tokens: int) -> str:
-    return synthetic_text(key, n_tokens)
-
-
-def count_tokens(text: str) -> int:
-    """Token count under a ~4 characters/token tokenizer."""
-    return (len(text.encode("utf-8")) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
-
-
-# --------------------------------------------------------------------------------------
-# Structure
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False, slots=True)
-class Segment:
-    """One chat message. ``key`` names its content: equal key = equal text. Immutable by use."""
-
-    role: str
-    tokens: int
-    key: str
-    _text: str | None = field(default=None, repr=False)
-    shared: bool = False  # same text in every session (the system prompt)
-
-    def text(self) -> str:
-        if self._text is None:
-            self._text = (_shared_text if self.shared else synthetic_text)(self.key, self.tokens)
-        return self._text
-
-    def message(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.text()}
-
-
-@dataclass(frozen=True, slots=True)
-class TurnRequest:
-    """One request of a session. ``segments`` is the source of truth; ``messages`` renders it."""
-
-    session_id: str
-    turn_index: int
-    branch_index: int
-    n_branches: int
-    segments: tuple[Segment, ...]
-    max_tokens: int
-    expected_output_tokens: int
-    think_time_s: float  # model-time pause before this request (same for all branches of a turn)
-    is_edit: bool
-    edit_message_index: int | None  # index in segments of the rewritten message
-    compacted: bool  # history was compacted just before this turn
-    new_tokens: int  # this request's own new user/tool message
-    reused_tokens: int  # leading tokens identical to the previous turn's history (cacheable)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(s.tokens for s in self.segments)
-
-    @property
-    def messages(self) -> list[dict[str, str]]:
-        return [s.message() for s in self.segments]
-
-
-ReplyLike = Union[str, int, None]
-
-
-def reply_as_segment(key: str, req: TurnRequest, reply: ReplyLike) -> Segment:
-    """A reply as an assistant segment: the server's text, a token count, or (None, a failed
-    request) the expected length."""
-    if isinstance(reply, str):
-        return Segment("assistant", count_tokens(reply), key, _text=reply)
-    tokens = req.expected_output_tokens if reply is None else int(reply)
-    return Segment("assistant", tokens, key)
+__all__ = ["Session", "make_session", "summarize", "quantile"]
 
 
 class Session:
@@ -473,13 +163,9 @@ class Session:
         return batch
 
 
-def session_id_for(config: WorkloadConfig, seed: int, index: int) -> str:
-    return f"{config.name}-{seed}-{index:06d}"
-
-
 def make_session(config: WorkloadConfig, seed: int, index: int) -> Session:
     """Session ``index`` of a run: its own generator, so it does not depend on run order."""
-    return Session(config, random.Random(f"{seed}:{index}"), session_id_for(config, seed, index))
+    return Session(config, random.Random(f"{seed}:{index}"), f"{config.name}-{seed}-{index:06d}")
 
 
 # --------------------------------------------------------------------------------------
@@ -487,7 +173,8 @@ def make_session(config: WorkloadConfig, seed: int, index: int) -> Session:
 # --------------------------------------------------------------------------------------
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
+    """``q`` in [0, 1], linear interpolation between closest ranks; NaN when ``xs`` is empty."""
     s = sorted(xs)
     if not s:
         return float("nan")
@@ -529,19 +216,19 @@ def summarize(config: WorkloadConfig, seed: int, n_sessions: int) -> dict[str, f
         "sessions": n_sessions,
         "requests": len(inputs),
         "mean_input_tokens": mean_in,
-        "input_p10": _quantile(inputs, 0.1),
-        "input_p50": _quantile(inputs, 0.5),
-        "input_p90": _quantile(inputs, 0.9),
+        "input_p10": quantile(inputs, 0.1),
+        "input_p50": quantile(inputs, 0.5),
+        "input_p90": quantile(inputs, 0.9),
         "mean_output_tokens": mean_out,
-        "output_p50": _quantile(outputs, 0.5),
+        "output_p50": quantile(outputs, 0.5),
         "input_output_ratio": mean_in / mean_out if mean_out else float("inf"),
         "mean_turns_per_session": statistics.fmean(turns) if turns else 0.0,
-        "median_turns_per_session": _quantile(turns, 0.5),
+        "median_turns_per_session": quantile(turns, 0.5),
         "requests_per_session": len(inputs) / n_sessions if n_sessions else 0.0,
         "branch_turn_fraction": n_branch_turns / n_turns if n_turns else 0.0,
         "edit_turn_fraction": n_edit_turns / n_turns if n_turns else 0.0,
         "compactions_per_session": compactions / n_sessions if n_sessions else 0.0,
-        "think_p50_s": _quantile(thinks, 0.5),
-        "think_p90_s": _quantile(thinks, 0.9),
+        "think_p50_s": quantile(thinks, 0.5),
+        "think_p90_s": quantile(thinks, 0.9),
         "reusable_prefix_fraction": reused / prompt if prompt else 0.0,
     }

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 from kvrouter.router.app import Router
 from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 
 class Proc:

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 
 def server_binary() -> str:

@@ -13,7 +13,7 @@ from kvrouter.router.config import AdminConfig, ConfigError, parse_config
 
 from .fakes import FakeUpstream
 from .procs import start_router_proc, wait_http
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvrouter.loadtest.cluster_sim import ClusterSimulator, ScaleEvent, SimConfig
 from kvrouter.loadtest.report import RESULT_KEYS
-from kvrouter.loadtest.workload import load_workload
+from kvrouter.loadtest.workload_config import load_workload
 
 WL = load_workload("coding-agent")
 

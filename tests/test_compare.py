@@ -13,15 +13,10 @@ from typing import Any
 import pytest
 
 from kvrouter.cli import main
-from kvrouter.loadtest.compare import (
-    CHART_FILES,
-    CompareConfig,
-    CompareError,
-    ProcessGroup,
-    expand_template,
-    parse_external,
-    run_compare,
-)
+from kvrouter.loadtest.compare import run_compare
+from kvrouter.loadtest.compare_charts import CHART_FILES
+from kvrouter.loadtest.compare_config import CompareConfig, expand_template, parse_external
+from kvrouter.loadtest.process_group import CompareError, ProcessGroup
 from kvrouter.loadtest.report import RESULT_KEYS
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -169,7 +164,7 @@ async def test_driver_warm_start_ramp_warmup_and_timed_samples(start_app: Any) -
     from kvrouter.loadtest.driver import run_load
     from kvrouter.loadtest.report import RequestRecord
     from kvrouter.loadtest.sim_server import build_app
-    from kvrouter.loadtest.workload import load_workload
+    from kvrouter.loadtest.workload_config import load_workload
 
     url = await start_app(build_app("tiny", time_scale=1.0))
     wl = load_workload("tiny")
@@ -205,7 +200,8 @@ async def test_driver_replays_arrivals(start_app: Any) -> None:
     from kvrouter.loadtest.driver import run_load
     from kvrouter.loadtest.report import RequestRecord
     from kvrouter.loadtest.sim_server import build_app
-    from kvrouter.loadtest.workload import load_workload, make_session
+    from kvrouter.loadtest.workload import make_session
+    from kvrouter.loadtest.workload_config import load_workload
 
     url = await start_app(build_app("tiny", time_scale=1.0))
     wl = load_workload("tiny")
@@ -225,3 +221,12 @@ def test_loadtest_cli_needs_one_mode(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["loadtest", "--target", "http://127.0.0.1:9", "--duration", "1", "--users", "2",
                  "--trace", "x"]) == 2
     assert "exactly one of" in capsys.readouterr().err
+
+
+def test_loadtest_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "trace_bad.json"
+    bad.write_text('{"id": "bad"}')
+    for trace in (tmp_path / "missing.jsonl", bad):
+        assert main(["loadtest", "--target", "http://127.0.0.1:9", "--duration", "1",
+                     "--trace", str(trace)]) == 2
+        assert f"--trace {trace}:" in capsys.readouterr().err

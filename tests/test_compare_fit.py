@@ -11,7 +11,7 @@ import pytest
 from kvrouter.cli import main
 from kvrouter.loadtest.fit import limits_for_profile, limits_from_metrics, refusal
 from kvrouter.loadtest.report import RequestRecord, failure_reason, summarize_requests
-from kvrouter.loadtest.workload import load_workload
+from kvrouter.loadtest.workload_config import load_workload
 
 from .procs import start_sim_proc, wait_http
 

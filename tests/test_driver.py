@@ -11,7 +11,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvrouter.loadtest.driver import StderrProgress, run_load
+from kvrouter.loadtest.driver import run_load
+from kvrouter.loadtest.progress import StderrProgress
 from kvrouter.loadtest.report import (
     RESULT_KEYS,
     RequestRecord,
@@ -19,7 +20,7 @@ from kvrouter.loadtest.report import (
     percentile,
     summarize_requests,
 )
-from kvrouter.loadtest.workload import load_workload
+from kvrouter.loadtest.workload_config import load_workload
 
 
 def _sse(obj: Any) -> bytes:

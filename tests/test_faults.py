@@ -23,7 +23,7 @@ from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from .fakes import FakeUpstream
 from .fault_ledger import FaultRecord, ReplicaCounts, Request, fake_counts, read_outcome, sim_counts, sim_proc_counts
 from .procs import eventually, running_reqs, start_sim_proc, wait_http
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 SLOW = 0.05  # simulated-model seconds per wall second: 100 tokens take ~3 s on "tiny"
 

@@ -13,7 +13,7 @@ import pytest
 
 from .fakes import FakeUpstream
 from .fault_ledger import fake_counts, read_outcome
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 

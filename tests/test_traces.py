@@ -9,19 +9,18 @@ import pytest
 
 from kvrouter.loadtest.cluster_sim import ClusterSimulator, SimConfig
 from kvrouter.loadtest.segment_keys import SegmentKeyCache
+from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
+from kvrouter.loadtest.trace_mooncake import mooncake_arrivals
+from kvrouter.loadtest.trace_session import TraceSession
+from kvrouter.loadtest.trace_stats import reuse_bound, trace_summary
 from kvrouter.loadtest.traces import (
     DATA_DIR,
-    TraceSession,
     bundled_claude_code_traces,
     bundled_mooncake_trace,
     bundled_traces,
-    claude_code_arrivals,
-    mooncake_arrivals,
-    reuse_bound,
     trace_sessions,
-    trace_summary,
 )
-from kvrouter.loadtest.workload import load_workload
+from kvrouter.loadtest.workload_config import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 # The full Claude Code trace set lives beside the repository, in ../shared/traces (not shipped).

@@ -11,7 +11,7 @@ import yaml
 
 from .fakes import FakeUpstream
 from .procs import Proc, wait_http
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 
 async def test_two_workers_share_a_port_and_agree_on_session_homes(tmp_path, start_app, redis_server):

@@ -5,17 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.loadtest.workload import (
+from kvrouter.loadtest.turn_request import count_tokens, synthetic_text
+from kvrouter.loadtest.workload import Session, make_session, summarize
+from kvrouter.loadtest.workload_config import (
     WORKLOADS_DIR,
-    Session,
     WorkloadConfig,
     WorkloadConfigError,
     builtin_workloads,
-    count_tokens,
     load_workload,
-    make_session,
-    summarize,
-    synthetic_text,
 )
 
 

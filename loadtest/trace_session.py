@@ -1,0 +1,133 @@
+"""A replayed trace session: the trace's requests, one per turn, as :class:`TurnRequest` objects.
+
+Sessions follow the :class:`kvrouter.loadtest.workload.Session` protocol (``session_id``,
+``n_turns``, ``next_requests(replies)``, ``reply_segment(req, reply)``), one request per turn, so the
+cluster simulator and the live driver run them like synthetic sessions. The format readers
+(:mod:`kvrouter.loadtest.trace_mooncake`, :mod:`kvrouter.loadtest.trace_claude_code`) build them
+from :class:`TraceStep` lists.
+
+Replies: a trace's next prompt is its own ``hash_ids`` (which already contain the previous output as
+new blocks), so replies are ignored when building the next request. ``reply_segment`` still returns
+a segment (``<session id>/r<turn>/reply``) for the simulator to insert output pages; that key is
+unique, so cached output never matches the next prompt (the trace's own accounting gives the output
+fresh block ids too). This under-counts real output caching by about the output share of prompt
+tokens (out / in, ~0.1-0.5% on the Claude Code traces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from .turn_request import ReplyLike, Segment, TurnRequest, reply_as_segment
+
+__all__ = ["TraceTurnRequest", "TraceStep", "TraceSession", "Arrivals", "PathLike"]
+
+PathLike = Union[str, Path]
+Arrivals = list[tuple[float, "TraceSession"]]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceTurnRequest(TurnRequest):
+    """A trace request. ``messages`` merges runs of same-role segments into one message (a prompt
+    is thousands of block segments); the merged text still extends the previous request's text, so
+    a live server's prefix cache sees the same sharing."""
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = []
+        run: list[str] = []
+        role = None
+        for seg in self.segments:
+            if seg.role != role and run:
+                out.append({"role": role, "content": "".join(run)})  # type: ignore[dict-item]
+                run = []
+            role = seg.role
+            run.append(seg.text())
+        if run:
+            out.append({"role": role, "content": "".join(run)})  # type: ignore[dict-item]
+        return out
+
+
+@dataclass(slots=True)
+class TraceStep:
+    """One request of a trace session, as read from the file."""
+
+    offset_s: float  # nominal start from the session's start, by the trace's own clock
+    think_s: float  # closed-loop pause after the previous request finished
+    segments: tuple[Segment, ...]
+    out: int
+    n_blocks: int  # leading segments that are whole blocks (the rest: a partial tail)
+
+
+class TraceSession:
+    """One replayed session: ``next_requests`` returns the trace's requests one at a time."""
+
+    def __init__(self, session_id: str, steps: Sequence[TraceStep]) -> None:
+        self.session_id = session_id
+        self._steps = list(steps)
+        self.n_turns = len(self._steps)
+        self.turn = 0
+        self.done = False
+        self._pending: TraceTurnRequest | None = None
+
+    def next_requests(self, replies: Sequence[ReplyLike] | None = None) -> list[TurnRequest]:
+        if self._pending is not None:
+            if replies is None or len(replies) != 1:
+                raise ValueError(
+                    f"session {self.session_id}: expected 1 reply, "
+                    f"got {None if replies is None else len(replies)}"
+                )
+            self._pending = None
+        elif replies:
+            raise ValueError(f"session {self.session_id}: replies given but no requests outstanding")
+        if self.done or self.turn >= self.n_turns:
+            self.done = True
+            return []
+        req = self._request(self.turn)
+        self.turn += 1
+        self._pending = req
+        return [req]
+
+    def reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
+        """The output as a segment; unique key, so it never matches a later prompt (see the module doc)."""
+        return reply_as_segment(f"{self.session_id}/r{req.turn_index}/reply", req, reply)
+
+    def planned(self) -> list[tuple[float, TurnRequest]]:
+        """Every request with its nominal start offset (trace clock); does not advance the session."""
+        return [(self._steps[i].offset_s, self._request(i)) for i in range(self.n_turns)]
+
+    def _request(self, i: int) -> TraceTurnRequest:
+        step = self._steps[i]
+        segs = step.segments
+        prompt = sum(s.tokens for s in segs)
+        reused, compacted = 0, False
+        if i > 0:
+            prev = self._steps[i - 1].segments
+            n = 0
+            for a, b in zip(segs, prev):
+                if a is not b:
+                    break
+                reused += a.tokens
+                n += 1
+            compacted = n < self._steps[i - 1].n_blocks  # a prefix break (compaction, side call)
+        return TraceTurnRequest(
+            session_id=self.session_id,
+            turn_index=i,
+            branch_index=0,
+            n_branches=1,
+            segments=segs,
+            max_tokens=step.out,
+            expected_output_tokens=step.out,
+            think_time_s=step.think_s if i > 0 else 0.0,
+            is_edit=False,
+            edit_message_index=None,
+            compacted=compacted,
+            new_tokens=prompt - reused,
+            reused_tokens=reused,
+        )
+
+    def __repr__(self) -> str:
+        return f"TraceSession({self.session_id!r}, n_turns={self.n_turns})"
