@@ -272,7 +272,8 @@ class ClusterSimulator:
             self._reply(idx, req, None)
             return
         placement.confirm_home_now(self.affinity)
-        placement.accepted()  # simulated replicas never refuse a request
+        placement.answered()  # simulated replicas are always reachable and never refuse a request
+        placement.accepted()
         self.decisions[placement.decision.reason] += 1
         url = placement.url
         rid = f"r{next(self._rid)}"

@@ -19,7 +19,7 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
-from .placement import Placement
+from .placement import Placement, RequestRoute, SessionStore
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -111,6 +111,11 @@ class RoutingEngine:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()
         return Placement(self, summary, session, decision, target=target, retry_of=retry_of)
+
+    def route(self, summary: RequestSummary, store: SessionStore, target: str | None = None) -> RequestRoute:
+        """One request's routing in its session: `async with engine.route(...) as route:`
+        acquires the session, `route.place()` places the request, leaving ends the session."""
+        return RequestRoute(self, store, summary, target)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def load_stats(self) -> tuple[float, float, float]:
