@@ -3,7 +3,9 @@
 The transport (or the simulator) builds a RequestSummary and reads the session from its affinity
 store; `place` fills in the KV-index match, takes a snapshot, asks the policy and reserves the
 chosen replica's in-flight slot in one synchronous step, returning a `Placement` (router/placement.py)
-that carries the rest of the request's routing: the session's home, acceptance, release, retries.
+that carries the rest of the request's routing: the session's home, each attempt's outcome
+(replica health, retry counters), acceptance, release, retries. The live relay enters `route`,
+which also acquires the request's session in the async affinity store and ends it exactly once.
 The engine also owns the scale-out housekeeping: settling fresh replicas and planning bounded
 session moves onto fresh replicas that arrivals alone do not fill.
 """
