@@ -3,7 +3,7 @@
 Three routers with `kv_events.enabled` and the simulated replica's tokenizer
 (`kvrouter.loadtest.sim_prompt:kv_token_ids`, pure Python like most chat-template code):
 `tokenizer_threads: 0` (tokenized on the event loop, as before the pool), 1 (the default) and 2.
-Each computes request summaries (`Router.summarize_request`, the request path's call) for large
+Each computes request summaries (`Handlers.summarize_request`, the request path's call) for large
 chat prompts, a few concurrently, while a 1 ms ticker on the same uvloop loop records how late it
 wakes. Rounds alternate the modes' order (forward, reversed) so machine noise hits all of them. Prints p50/p99/max lag
 and the summaries' throughput, side by side.
@@ -70,7 +70,7 @@ async def one_block(router: Router, prompts: list[dict[str, Any]], requests: int
     async def worker(k: int) -> None:
         nonlocal exact
         for i in range(k, requests, concurrency):
-            summary = await router.summarize_request(ROUTE, prompts[i % len(prompts)], {})
+            summary = await router.handlers.summarize_request(ROUTE, prompts[i % len(prompts)], {})
             exact += bool(summary.prefix_blocks)
             await asyncio.sleep(0)  # each request is its own task in the server: they interleave
 

@@ -4,8 +4,8 @@ One heap of timed events and a virtual clock; no asyncio, no sleeps, no wall clo
 a `ReplicaModel`; routing goes through the live router's own `RoutingEngine` (same policy objects,
 same shadow KV index, same session table as the in-memory affinity store), fed with replica
 signals polled every `poll_interval_s` as the live router polls `/metrics`. Each request takes the
-live router's own routing lifecycle (`RoutingEngine.place`, then the `Placement`'s home, acceptance
-and release; router/placement.py) against the synchronous in-memory affinity store. Sessions come from the
+live router's own routing lifecycle (`RoutingEngine.place`, then the `Placement`'s home, outcome
+(`answered`: simulated replicas are always reachable), acceptance and release; router/placement.py) against the synchronous in-memory affinity store. Sessions come from the
 coding-agent workload (closed loop: each turn waits for every request of the previous one plus a
 think time) or from a trace (see loadtest/traces.py).
 
@@ -274,7 +274,8 @@ class ClusterSimulator:
             self._reply(idx, req, None)
             return
         placement.confirm_home_now(self.affinity)
-        placement.accepted()  # simulated replicas never refuse a request
+        placement.answered()  # simulated replicas are always reachable and never refuse a request
+        placement.accepted()
         self.decisions[placement.decision.reason] += 1
         url = placement.url
         rid = f"r{next(self._rid)}"

@@ -28,6 +28,7 @@ from .app import Router
 from .config import AdminConfig, ConfigError, RouterConfig, normalize_replica_url
 from .errors import error_response
 from .http_errors import JSONErrorAppRunner
+from .membership import ReplicaMembership
 from .security import bearer_token
 
 log = logging.getLogger("kvrouter.admin")
@@ -52,7 +53,8 @@ class AdminAPI:
     def __init__(self, router: Router, token: str, reader: Reader | None = None) -> None:
         if not token:
             raise ValueError("the admin API needs a token")
-        self.router = router
+        self.router = router  # read-only here: its registry, sessions and flags for the views
+        self.membership: ReplicaMembership = router.membership  # every change goes through it
         self._token = token.encode()
         self.reader = reader
 
@@ -100,7 +102,7 @@ class AdminAPI:
         for view in registry.snapshot().replicas:
             row = dataclasses.asdict(view)
             row["url"] = row.pop("id")
-            row["draining"] = view.id in registry.draining
+            row["draining"] = self.membership.is_draining(view.id)
             out.append(row)
         return out
 
@@ -109,20 +111,20 @@ class AdminAPI:
 
     async def add_replica(self, request: web.Request) -> web.StreamResponse:
         url = await self._url_from_body(request)
-        added = self.router.add_replica(url)
+        added = self.membership.add(url)
         log.info("admin: add replica %s (%s)", url, "added" if added else "already known")
         return _json({"url": url, "added": added}, 201 if added else 200)
 
     async def remove_replica(self, request: web.Request) -> web.StreamResponse:
         url = self._normalize(request.query.get("url"))
-        if not self.router.remove_replica(url):
+        if not self.membership.remove(url):
             return error_response(404, f"unknown replica {url}", "not_found")
         log.info("admin: removed replica %s", url)
         return _json({"url": url, "removed": True})
 
     async def drain_replica(self, request: web.Request) -> web.StreamResponse:
         url = await self._url_from_body(request)
-        if not self.router.drain(url):
+        if not self.membership.drain(url):
             return error_response(404, f"unknown replica {url}", "not_found")
         view = self.router.registry.view(url)
         return _json({"url": url, "draining": True, "in_flight": view.in_flight if view else 0}, 202)
@@ -137,7 +139,7 @@ class AdminAPI:
             return error_response(400, f"reload refused: {err}", "invalid_request_error")
         if config is None:
             return error_response(409, "router was started without a config file", "conflict")
-        changes = self.router.reload(config)
+        changes = self.membership.reload(config)
         log.info("admin: config reloaded: %s", ", ".join(changes) or "no routing change")
         return _json({"changes": changes})
 

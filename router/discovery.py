@@ -1,16 +1,15 @@
 """Replica discovery: keep the router's replica set in line with a file, DNS or Kubernetes.
 
 Each source runs as one asyncio task and publishes the *whole* set of replica URLs it currently
-sees; :class:`Discovery` merges the sets of all sources and applies the difference to the router:
+sees; :class:`Discovery` merges the sets of all sources and applies the difference to the
+router's replica membership (``ReplicaMembership``, router/membership.py):
 
-- a URL that appears goes through ``Router.add_replica`` (so it is *fresh*: the scale-out rule
+- a URL that appears goes through ``Membership.add`` (so it is *fresh*: the scale-out rule
   prefers it for new sessions and moves a few idle sessions onto it);
-- a URL that vanishes is drained, not cut: ``Router.drain`` takes it out of every decision (it
-  looks unhealthy to policies) while requests already relayed to it keep their upstream
+- a URL that vanishes is drained, not cut: ``Membership.drain`` takes it out of every decision
+  (it looks unhealthy to policies) while requests already relayed to it keep their upstream
   connection and run to the end; the router's housekeeping removes it once its in-flight count is
-  zero. (Without ``drain``, ``Router.remove_replica`` gives the same guarantee: the relay holds
-  the URL, not a registry entry, so in-flight requests finish; only their in-flight accounting is
-  lost.) Sessions homed there are rehomed on their next request. A URL that comes back while
+  zero. Sessions homed there are rehomed on their next request. A URL that comes back while
   still draining is re-added as a fresh replica.
 
 Only replicas discovery itself added are ever removed by it: a replica from the static
@@ -34,12 +33,11 @@ import yaml
 
 from .config import normalize_replica_url
 from .discovery_config import DiscoveryConfig, FileDiscoveryConfig
+from .membership import ReplicaMembership
 from .supervise import spawn
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from .app import Router
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -55,19 +53,12 @@ class Source(Protocol):
         the source is restarted with backoff (router/supervise.py), its last set kept."""
 
 
-class ReplicaSink(Protocol):
-    """What discovery needs of a Router. If the sink also has `drain(url) -> bool` (no new
-    work, removed once its in-flight requests end), vanished replicas are drained with it."""
-
-    def add_replica(self, url: str) -> bool: ...
-    def remove_replica(self, url: str) -> bool: ...
-
-
 class Discovery:
-    """Merges the sets published by every source and applies the difference to the router."""
+    """Merges the sets published by every source and applies the difference to the router's
+    replica membership (router/membership.py)."""
 
-    def __init__(self, sink: ReplicaSink, sources: Iterable[Source], metrics: Any = None) -> None:
-        self.sink = sink
+    def __init__(self, membership: ReplicaMembership, sources: Iterable[Source], metrics: Any = None) -> None:
+        self.membership = membership
         self.sources = list(sources)
         self.metrics = metrics
         self._sets: dict[str, set[str]] = {}
@@ -103,24 +94,23 @@ class Discovery:
     def _apply(self) -> None:
         desired = self.desired
         changed = False
-        draining = getattr(getattr(self.sink, "registry", None), "draining", ())
+        members = self.membership
         for url in sorted(desired - self.owned):
-            if url in self._drained and url in draining:
-                self.sink.remove_replica(url)  # back while still draining: a fresh replica again
+            if url in self._drained and members.is_draining(url):
+                members.remove(url)  # back while still draining: a fresh replica again
             self._drained.discard(url)
-            if self.sink.add_replica(url):  # False: already there (static list, operator)
+            if members.add(url):  # False: already there (static list, operator)
                 self.owned.add(url)
                 changed = True
                 log.info("discovery: +%s (fresh)", url)
         for url in sorted(self.owned - desired):
             self.owned.discard(url)
-            drain = getattr(self.sink, "drain", None)
-            if drain is not None and drain(url):
+            if members.drain(url):
                 # Stays registered, unhealthy to policies, until its in-flight requests end.
                 self._drained.add(url)
                 changed = True
                 log.info("discovery: -%s (draining: no new requests, in-flight ones finish)", url)
-            elif self.sink.remove_replica(url):
+            elif members.remove(url):
                 changed = True
                 log.info("discovery: -%s (removed: no new requests, in-flight ones finish)", url)
         if changed:
@@ -159,17 +149,18 @@ def build_sources(config: DiscoveryConfig, on_error: Callable[[str, str], None])
     return sources
 
 
-def discovery_ctx(router: "Router") -> Callable[["web.Application"], AsyncIterator[None]]:
-    """An aiohttp cleanup context running the router's discovery sources (none configured: a
-    no-op). Appended after the router's own lifecycle, so it stops first on shutdown."""
+def discovery_ctx(
+    config: DiscoveryConfig, membership: ReplicaMembership, metrics: Any = None
+) -> Callable[["web.Application"], AsyncIterator[None]]:
+    """An aiohttp cleanup context running the configured discovery sources against `membership`
+    (none configured: a no-op). The composition root appends it after its own lifecycle, so it
+    stops first on shutdown."""
 
     async def ctx(app: "web.Application") -> AsyncIterator[None]:
-        config: DiscoveryConfig = router.config.discovery
         discovery = None
         if config.enabled:
-            discovery = Discovery(router, [], router.metrics)
+            discovery = Discovery(membership, [], metrics)
             discovery.sources = build_sources(config, discovery.error)
-            router.discovery = discovery  # type: ignore[attr-defined]
             discovery.start()
         yield
         if discovery is not None:

@@ -3,7 +3,9 @@
 The transport (or the simulator) builds a RequestSummary and reads the session from its affinity
 store; `place` fills in the KV-index match, takes a snapshot, asks the policy and reserves the
 chosen replica's in-flight slot in one synchronous step, returning a `Placement` (router/placement.py)
-that carries the rest of the request's routing: the session's home, acceptance, release, retries.
+that carries the rest of the request's routing: the session's home, each attempt's outcome
+(replica health, retry counters), acceptance, release, retries. The live relay enters `route`,
+which also acquires the request's session in the async affinity store and ends it exactly once.
 The engine also owns the scale-out housekeeping: settling fresh replicas and planning bounded
 session moves onto fresh replicas that arrivals alone do not fill.
 """
@@ -19,7 +21,7 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.base import Decision, Policy, RequestSummary, SessionView
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
-from .placement import Placement
+from .placement import Placement, RequestRoute, SessionStore
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -111,6 +113,11 @@ class RoutingEngine:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()
         return Placement(self, summary, session, decision, target=target, retry_of=retry_of)
+
+    def route(self, summary: RequestSummary, store: SessionStore, target: str | None = None) -> RequestRoute:
+        """One request's routing in its session: `async with engine.route(...) as route:`
+        acquires the session, `route.place()` places the request, leaving ends the session."""
+        return RequestRoute(self, store, summary, target)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def load_stats(self) -> tuple[float, float, float]:

@@ -13,6 +13,12 @@ while this request still waits on the affinity store, sees it. Then, in order:
 
 `retry()` places the request again, away from every replica tried so far. The session's home is
 claimed once per request (on its first placement); a retry that lands elsewhere moves it.
+
+Outcome calls keep the replica's health and the retry counters with the routing, so the relay
+only sends, retries and streams: `unreachable(kind)` (never got the request), `timed_out(kind)`,
+`answered()` (a response head came back), `refused(status)` (a 502/503 that goes elsewhere).
+`RequestRoute` (from `RoutingEngine.route`) wraps a request's placements in its session:
+acquired on entry, ended exactly once on exit.
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ class HomeStore(Protocol):
 
     async def begin(self, key: str, home: str | None, *, force: bool, tokens: int) -> str | None: ...
     async def move(self, key: str, home: str) -> None: ...
+
+
+class SessionStore(HomeStore, Protocol):
+    """The affinity store's per-request session calls (`RequestRoute`)."""
+
+    async def acquire(self, key: str) -> SessionView: ...
+    async def end(self, key: str) -> None: ...
 
 
 class HomeStoreNow(Protocol):
@@ -184,6 +197,36 @@ class Placement:
                                                   tokens=claim.tokens))
 
     # -- outcome -------------------------------------------------------------------------------------
+    def unreachable(self, kind: str) -> None:
+        """The replica never got the request (`kind`: connect, connect_timeout): a failure
+        against its health, an upstream error and a retry (counted even on the last attempt)."""
+        url = self.url
+        self.engine.registry.record_failure(url)
+        m = self.engine.metrics
+        if m is not None:
+            m.child(m.upstream_errors, url, kind).inc()
+            m.child(m.retries, kind).inc()
+
+    def timed_out(self, kind: str) -> None:
+        """The replica got the request and did not answer in time (never retried: it may still
+        be working): an upstream error."""
+        m = self.engine.metrics
+        if m is not None:
+            m.child(m.upstream_errors, self.url, kind).inc()
+
+    def answered(self) -> None:
+        """The replica sent a response head: it is reachable (any status)."""
+        self.engine.registry.record_success(self.url)
+
+    def refused(self, status: int) -> None:
+        """It answered a retryable status (502/503) before a byte reached the client, and the
+        request goes elsewhere: an upstream error and a retry."""
+        m = self.engine.metrics
+        if m is not None:
+            kind = f"http_{status}"
+            m.child(m.upstream_errors, self.url, kind).inc()
+            m.child(m.retries, kind).inc()
+
     def accepted(self) -> None:
         """The replica took the request (it answered): it will cache the prompt."""
         if self._accepted:
@@ -207,3 +250,41 @@ class Placement:
             return None
         summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})
         return self.engine.place(summary, self.session, retry_of=self)
+
+
+class RequestRoute:
+    """One request's routing, as an async context manager: entering reads the session and counts
+    the request in it (`acquire`), leaving ends it there, exactly once. In between, `place()`
+    gives the first placement and `Placement.retry()` the next ones.
+
+    If `acquire` is cancelled it counts nothing and raises, and `async with` then never calls
+    `__aexit__`: a session is ended only if it was acquired. Requests without a session key
+    touch the store only to confirm nothing."""
+
+    __slots__ = ("engine", "store", "summary", "target", "session", "_key")
+
+    def __init__(
+        self, engine: RoutingEngine, store: SessionStore, summary: RequestSummary, target: str | None
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.summary = summary
+        self.target = target
+        self.session: SessionView | None = None
+        self._key: str | None = None  # set while the store counts this request
+
+    async def __aenter__(self) -> RequestRoute:
+        key = self.summary.session_key
+        if key is not None:
+            self.session = await self.store.acquire(key)
+            self._key = key
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        key, self._key = self._key, None
+        if key is not None:
+            await self.store.end(key)
+
+    def place(self) -> Placement | None:
+        """The request's first placement (its slot reserved), or None if no replica can take it."""
+        return self.engine.place(self.summary, self.session, self.target)

@@ -18,12 +18,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import RequestSummary, SessionView
+from ..policies.base import RequestSummary
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
+from .placement import RequestRoute
 from .upstream_http import (
     UpstreamBodyError,
     UpstreamConnectError,
@@ -80,7 +81,6 @@ class Relay:
         self._no_drop = drop_set()
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
-        self.registry = engine.registry
         self.affinity = affinity
         self.metrics = metrics
         self.config = config
@@ -138,21 +138,15 @@ class Relay:
         request_id: str,
         target: str | None = None,
     ) -> web.StreamResponse:
-        """Route and relay one client request; the session's in-flight count spans all attempts.
-        `target` (a validated, known replica from a routing hint) bypasses the policy."""
-        key = summary.session_key
+        """Route and relay one client request; the session's in-flight count spans all attempts
+        (the engine's `route` acquires and ends it). `target` (a validated, known replica from
+        a routing hint) bypasses the policy."""
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
         try:
-            if key is None:
-                return await self._attempts(request, body, summary, request_id, None, target)
-            # acquire() either counts the request (then end() follows) or, cancelled, counts nothing.
-            session = await self.affinity.acquire(key)
-            try:
-                return await self._attempts(request, body, summary, request_id, session, target)
-            finally:
-                await self.affinity.end(key)
+            async with self.engine.route(summary, self.affinity, target) as route:
+                return await self._attempts(request, body, route, request_id)
         except asyncio.CancelledError:
             if not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
@@ -166,49 +160,44 @@ class Relay:
         self,
         request: web.Request,
         body: bytes,
-        summary: RequestSummary,
+        route: RequestRoute,
         request_id: str,
-        session: SessionView | None,
-        target: str | None = None,
     ) -> web.StreamResponse:
         """Send to each placement in turn (router/placement.py) until a replica takes the
-        request; retries only before the first byte reaches the client."""
+        request; retries only before the first byte reaches the client. What each attempt
+        meant for the replica's health and the counters is the placement's to record."""
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers, self._drop)
         if self.inject_headers:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
         last_problem = "no healthy replica"
-        child, m = self.metrics.child, self.metrics
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
-        placement = self.engine.place(summary, session, target)
-        for attempt in range(self.config.max_attempts):
+        max_attempts = self.config.max_attempts
+        placement = route.place()
+        for attempt in range(max_attempts):
             if placement is None:
                 break
             current, placement = placement, None
             try:  # no await since place() or retry(): done() always releases the slot
-                await current.confirm_home(self.affinity)
+                await current.confirm_home(route.store)
                 url = current.url
                 sent = self.clock()
                 try:
                     upstream = await self.pool.request(request.method, url, path_qs, headers, body)
                 except UpstreamConnectError as err:  # the replica never got the request
-                    self.registry.record_failure(url)
                     kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
-                    child(m.upstream_errors, url, kind).inc()
-                    child(m.retries, kind).inc()
+                    current.unreachable(kind)
                     last_problem = f"replica {url} unreachable ({kind})"
-                    if attempt + 1 < self.config.max_attempts:
+                    if attempt + 1 < max_attempts:
                         placement = current.retry()
                     continue
                 except UpstreamTimeout as err:  # it got it and may still be working: no retry
-                    child(m.upstream_errors, url, err.kind).inc()
+                    current.timed_out(err.kind)
                     return self._timeout_response(url, err, request_id)
-                self.registry.record_success(url)
-                last_try = attempt + 1 >= self.config.max_attempts
-                if upstream.status in self.config.retry_statuses and not last_try:
-                    child(m.upstream_errors, url, f"http_{upstream.status}").inc()
-                    child(m.retries, f"http_{upstream.status}").inc()
+                current.answered()
+                if upstream.status in self.config.retry_statuses and attempt + 1 < max_attempts:
+                    current.refused(upstream.status)
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
                     placement = current.retry()

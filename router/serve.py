@@ -62,7 +62,7 @@ def reload_from(router: Router, reader: Callable[[], RouterConfig]) -> None:
     if config is None:
         log.warning("reload ignored: the router was started without a config file")
         return
-    changes = router.reload(config)
+    changes = router.membership.reload(config)
     log.info("config reloaded: %s", ", ".join(changes) or "no routing change")
 
 
@@ -71,7 +71,7 @@ async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
     `shutdown_delay_s` the listener closes, idle connections are closed, and in-flight requests
     get `shutdown_grace_s` to finish before they are cut. Then the background loops stop."""
     server = router.config.server
-    router.shutting_down = True
+    router.stop_accepting()
     in_flight = sum(v.in_flight for v in router.registry.snapshot().replicas)
     log.info("shutting down: not ready; %d requests in flight, grace %.1fs",
              in_flight, server.shutdown_grace_s)

@@ -35,25 +35,35 @@ async def until(predicate, timeout: float = 5.0) -> None:
 
 
 class Sink:
-    """Records what discovery asks of the router."""
+    """A replica membership (router/membership.py `ReplicaMembership`) that records what
+    discovery asks of it; a drained replica has nothing in flight, so it leaves at once."""
 
     def __init__(self) -> None:
         self.replicas: set[str] = set()
         self.log: list[str] = []
 
-    def add_replica(self, url: str) -> bool:
+    def add(self, url: str) -> bool:
         if url in self.replicas:
             return False
         self.replicas.add(url)
         self.log.append("+" + url)
         return True
 
-    def remove_replica(self, url: str) -> bool:
+    def remove(self, url: str) -> bool:
         if url not in self.replicas:
             return False
         self.replicas.discard(url)
         self.log.append("-" + url)
         return True
+
+    def drain(self, url: str) -> bool:
+        return self.remove(url)
+
+    def is_draining(self, url: str) -> bool:
+        return False
+
+    def reload(self, config) -> list[str]:
+        raise AssertionError("discovery never reloads the config")
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -114,7 +124,7 @@ async def test_file_discovery_adds_fresh_and_drains_without_cutting(start_app, s
 
 async def test_discovery_never_removes_static_replicas():
     sink = Sink()
-    sink.add_replica("http://static:1")
+    sink.add("http://static:1")
     d = Discovery(sink, [])
     d.publish("file", ["http://static:1", "http://new:1"])
     assert d.owned == {"http://new:1"}
@@ -200,7 +210,7 @@ async def test_kubernetes_list_watch_relist(kube_api):
     api, sa = kube_api
     api.slices["sglang-a"] = endpoint_slice("sglang-a", "sglang", ["10.1.0.1", "10.1.0.2"])
     router = Router(parse_config({"policy": {"name": "round_robin"}}))
-    discovery = Discovery(router, [], router.metrics)
+    discovery = Discovery(router.membership, [], router.metrics)
     source = KubernetesSource(
         KubernetesDiscoveryConfig(service="sglang", port_name="http", service_account_dir=str(sa),
                                   retry_interval_s=0.05),

@@ -385,13 +385,13 @@ async def test_replica_removed_and_readded(start_app, start_router, fault_record
         gone = where.index(a)
         responses[gone].close()
         reqs[gone].left()
-        assert router.remove_replica(a)
+        assert router.membership.remove(a)
         during = await asyncio.gather(*(request_outcome(client, url, chat(f"during-{i}", 5), fault_record)
                                         for i in range(6)))
         kept = [i for i in range(8) if i != gone]
         outcomes = await asyncio.gather(*(read_outcome(responses[i], firsts[i]) for i in kept))
         results = [reqs[i].got(o).short for i, o in zip(kept, outcomes)]
-        assert router.add_replica(a)
+        assert router.membership.add(a)
         after = await asyncio.gather(*(request_outcome(client, url, chat(f"new-{i}", 5), fault_record)
                                        for i in range(4)))
     assert results == ["ok"] * 7  # in-flight streams on the removed replica finished normally

@@ -237,7 +237,7 @@ async def test_router_routes_on_the_replicas_kv_events(start_app, start_router):
         assert decisions.labels("coding_agent", "affinity")._value.get() == affinity_before + 1
 
     # Removing a replica stops its subscriber and forgets its blocks.
-    assert router.remove_replica(other)
+    assert router.membership.remove(other)
     assert router.index.cached_tokens(other) == 0
 
 

@@ -31,7 +31,7 @@ async def test_removed_replica_leaves_no_series_and_no_pooled_connection(start_a
     leaves_url = await start_app(leaves.app())
     router, url = await start_router([stays_url], policy={"name": "round_robin"},
                                      signals={"source": "health", "interval_s": 0.05})
-    assert router.add_replica(leaves_url)
+    assert router.membership.add(leaves_url)
     async with aiohttp.ClientSession() as client:
         leaves.status = 503  # upstream errors, retries, failed health polls: series of every kind
         await wait_for(lambda: router.registry.view(leaves_url).healthy is False)
@@ -48,7 +48,7 @@ async def test_removed_replica_leaves_no_series_and_no_pooled_connection(start_a
             assert f'{name}{{replica="{leaves_url}"' in before, name
         await wait_for(lambda: pool_holds(router, leaves_url))
 
-        assert router.remove_replica(leaves_url)
+        assert router.membership.remove(leaves_url)
         async with client.get(url + "/metrics") as r:
             after = await r.text()
         assert leaves_url not in after
@@ -57,7 +57,7 @@ async def test_removed_replica_leaves_no_series_and_no_pooled_connection(start_a
         assert not any(leaves_url in key[1] for key in router.metrics._children)
 
         # Back again: a new replica, taking traffic and getting fresh series.
-        assert router.add_replica(leaves_url)
+        assert router.membership.add(leaves_url)
         served = len(leaves.requests)
         for _ in range(8):
             async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
@@ -81,7 +81,7 @@ async def test_replica_removed_with_a_request_in_flight_leaves_nothing_once_it_e
         async with client.post(url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
             await r.content.readuntil(b"\n\n")  # the first event: the stream is in flight
-            assert router.remove_replica(leaves_url)
+            assert router.membership.remove(leaves_url)
             hold.set()
             rest = await r.read()
         assert rest.endswith(b"\n\n")
@@ -101,7 +101,7 @@ async def test_replica_removed_before_its_answer_leaves_no_series(start_app, sta
     async with aiohttp.ClientSession() as client:
         pending = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=CHAT))
         await wait_for(lambda: len(leaves.requests) == 1)
-        assert router.remove_replica(leaves_url)
+        assert router.membership.remove(leaves_url)
         hold.set()
         async with await pending as r:
             assert r.status == 200

@@ -96,7 +96,7 @@ async def test_new_replica_takes_new_sessions_and_warm_sessions_stay(fleet, star
     try:
         homes = {c.session: (await c.turn())[0] for c in warm}
         fifth = await start_app(build_app("tiny", time_scale=FAST, seed=9))
-        assert router.add_replica(fifth)
+        assert router.membership.add(fifth)
         new = [Chat(url, f"new-{i}") for i in range(2)]
         new_homes = [(await c.turn())[0] for c in new]
         after = {c.session: (await c.turn())[0] for c in warm}

@@ -128,7 +128,7 @@ async def test_hint_to_an_unhealthy_or_draining_replica_is_refused(start_app, st
     urls = [await start_app(u.app()) for u in ups]
     router, url = await start_router(urls, signals={"source": "health", "interval_s": 60},
                                      routing={"allow_target_hint": True})
-    router.drain(urls[0])
+    router.membership.drain(urls[0])
     async with aiohttp.ClientSession() as client:
         async with client.post(url + "/v1/chat/completions", json=CHAT, headers={HINT: urls[0]}) as r:
             assert r.status == 503 and r.headers["Retry-After"]

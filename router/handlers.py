@@ -1,0 +1,203 @@
+"""The data port's request handlers: inference (parse just enough, summarize, relay), the
+merged /v1/models, health, readiness, metrics, and the JSON 404/405/417 answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from ..metrics.router_metrics import RouterMetrics
+from ..policies.base import RequestSummary
+from .config import RouterConfig, normalize_replica_url
+from .errors import error_response
+from .headers import REQUEST_ID, request_id_from
+from .relay import Relay
+from .replicas import ReplicaRegistry
+from .summary import ExactBlocks, summarize
+from .tokenizers import TokenizePool
+
+
+class Handlers:
+    """The routes' handlers, over the parts the composition root built. `shutting_down` (set by
+    `stop_accepting`) turns new inference requests away and /ready to 503."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: ReplicaRegistry,
+        relay: Relay,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        *,
+        exact_blocks: ExactBlocks | None = None,
+        tokenize_pool: TokenizePool[tuple[int, tuple[int, ...]]] | None = None,
+    ) -> None:
+        self.config = config  # server and routing settings: a reload does not change them
+        self.registry = registry
+        self.relay = relay
+        self.metrics = metrics
+        self.clock = clock
+        self._exact_blocks = exact_blocks
+        self.tokenize_pool = tokenize_pool
+        self.shutting_down = False
+
+    def stop_accepting(self) -> None:
+        """SIGTERM: /ready answers 503 and new inference requests get 503 from now on."""
+        self.shutting_down = True
+
+    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        started = self.clock()
+        route = request.path
+        request_id = request_id_from(request.headers)
+        status = 499  # client closed request, unless we get further
+        try:
+            response = await self._inference(request, route, request_id)
+            status = response.status
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            m = self.metrics
+            m.child(m.requests, route, str(status)).inc()
+            m.child(m.duration, route).observe(self.clock() - started)
+
+    async def _inference(
+        self, request: web.Request, route: str, request_id: str
+    ) -> web.StreamResponse:
+        rid_header = {REQUEST_ID: request_id}
+        if self.shutting_down:
+            return error_response(503, "router is shutting down", "service_unavailable",
+                                  {**rid_header, "Retry-After": "1", "Connection": "close"})
+        try:
+            if request.content.is_eof():  # the whole body came with the headers: no timer needed
+                body = await request.read()  # 413 (via middleware) above max_body_bytes
+            else:
+                async with asyncio.timeout(self.config.server.client_body_timeout_s):
+                    body = await request.read()
+        except TimeoutError:
+            return error_response(408, "request body not received in time", "invalid_request_error",
+                                  {**rid_header, "Connection": "close"})
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError as err:
+            return error_response(400, f"invalid JSON body: {err}", "invalid_request_error", rid_header)
+        if not isinstance(parsed, dict):
+            return error_response(
+                400, "request body must be a JSON object", "invalid_request_error", rid_header
+            )
+        target = None
+        routing = self.config.routing
+        body_hint = None
+        if routing.target_hint_field in parsed:  # a router-only field: never forwarded, honoured or not
+            body_hint = parsed.pop(routing.target_hint_field)
+            try:
+                body = orjson.dumps(parsed)
+            except orjson.JSONEncodeError:  # orjson writes at most 254 levels of nesting
+                return error_response(400, "request body nested too deeply", "invalid_request_error",
+                                      rid_header)
+        if routing.allow_target_hint:
+            hint = request.headers.get(routing.target_hint_header)
+            if hint is None:
+                hint = body_hint
+            if hint is not None:
+                target = self._known_replica(hint)
+                if target is None:  # never an outbound request to a URL a client made up
+                    return error_response(400, "target worker is not a known replica",
+                                          "invalid_request_error", rid_header)
+                if not self.registry.healthy(target):
+                    return error_response(503, "target worker is not available", "service_unavailable",
+                                          {**rid_header, "Retry-After": "1"})
+        summary = await self.summarize_request(route, parsed, request.headers)
+        return await self.relay.forward(request, body, summary, request_id, target)
+
+    async def summarize_request(
+        self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
+    ) -> RequestSummary:
+        """What the policy needs of a request; with the exact KV index, its block hashes are
+        computed in the tokenizer pool (None there, or a full pool: no exact match)."""
+        exact = self._exact_blocks
+        if self.tokenize_pool is not None:
+            found = await self.tokenize_pool.run(route, parsed)
+            exact = lambda _route, _body: found  # noqa: E731
+        return summarize(route, parsed, headers, self.config.routing, exact)
+
+    def _known_replica(self, hint: object) -> str | None:
+        if not isinstance(hint, str) or len(hint) > 2048:
+            return None
+        try:
+            url = normalize_replica_url(hint)
+        except (ValueError, TypeError):
+            return None
+        return url if url in self.registry else None
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        """The union of every healthy replica's /v1/models, queried concurrently."""
+        assert self.relay.session is not None
+        session = self.relay.session
+        urls = [v.id for v in self.registry.snapshot().replicas if v.healthy]
+
+        async def fetch(url: str) -> list[dict[str, object]]:
+            try:
+                async with session.get(
+                    url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp:
+                    if resp.status != 200:
+                        return []
+                    data = orjson.loads(await resp.read()).get("data", [])
+                    return [m for m in data if isinstance(m, dict) and "id" in m]
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, AttributeError):
+                return []
+
+        merged: dict[str, dict[str, object]] = {}
+        for models in await asyncio.gather(*(fetch(u) for u in urls)):
+            for model in models:
+                merged.setdefault(str(model["id"]), model)
+        if not merged and urls:
+            return error_response(502, "no replica answered /v1/models", "upstream_error")
+        if not urls:
+            return error_response(503, "no healthy replica", "service_unavailable",
+                                  {"Retry-After": "1"})
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": list(merged.values())}),
+            content_type="application/json",
+        )
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` is honoured; any other expectation is a JSON 417."""
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0
+            return None
+        return error_response(417, "unsupported Expect header (only 100-continue)",
+                              "invalid_request_error", {"Connection": "close"})
+
+    async def handle_unrouted(self, request: web.Request) -> web.StreamResponse:
+        allowed = sorted({
+            r.method for r in request.app.router.routes()
+            if r.method != "*" and r.resource is not None and r.resource.canonical == request.path
+        })
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
+
+    async def handle_health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+    async def handle_ready(self, request: web.Request) -> web.StreamResponse:
+        healthy = sum(1 for v in self.registry.snapshot().replicas if v.healthy)
+        ready = healthy > 0 and not self.shutting_down
+        body = orjson.dumps({"ready": ready, "healthy_replicas": healthy,
+                             "replicas": len(self.registry), "shutting_down": self.shutting_down})
+        return web.Response(status=200 if ready else 503, body=body,
+                            content_type="application/json")
+
+    async def handle_metrics(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})
