@@ -130,7 +130,10 @@ async def test_run_load_reports_the_contract(serve: Any) -> None:
     for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "itl_p50_s", "output_tps_per_user",
                 "tokens_per_min_per_replica", "e2e_p95_s"):
         assert res[key] is not None and res[key] > 0, key
-    assert res["ttft_p50_s"] <= res["ttft_p95_s"] <= res["ttft_p99_s"] <= res["e2e_p95_s"] * 1.01 + 0.05
+    assert res["ttft_p50_s"] <= res["ttft_p95_s"] <= res["ttft_p99_s"]
+    # Each request's first token comes before its end, so the same percentile orders the same way
+    # (p99 TTFT against p95 end-to-end would not: one slow first token on a loaded machine).
+    assert res["ttft_p95_s"] <= res["e2e_p95_s"] * 1.01 + 0.05
     assert res["cache_hit_rate"] == pytest.approx(a.ok_cached_tokens / a.ok_prompt_tokens)
     # running requests 1 and 3 in every sample: max/mean 1.5, population CV 1/2.
     assert res["load_max_over_mean"] == pytest.approx(1.5)
