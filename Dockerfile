@@ -16,6 +16,7 @@ COPY kvrouter ./kvrouter
 COPY router ./router
 COPY policies ./policies
 COPY metrics ./metrics
+COPY sglang_protocol ./sglang_protocol
 COPY loadtest ./loadtest
 RUN /opt/kvrouter/bin/pip install --no-cache-dir . \
  && /opt/kvrouter/bin/kvrouter --help > /dev/null

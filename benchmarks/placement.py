@@ -19,11 +19,11 @@ from pathlib import Path
 
 from dp_scenarios import pct  # benchmarks/ is on sys.path: this runs as a script
 
-from kvrouter.metrics.sglang import ReplicaSignals
-from kvrouter.policies.base import RequestSummary, SessionView
+from kvrouter.sglang_protocol.signals import ReplicaSignals
+from kvrouter.policies.domain import RequestSummary, SessionView
 from kvrouter.policies.registry import build_policy
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable
 

@@ -4,7 +4,7 @@ from pathlib import Path as _Path
 
 __version__ = "0.1.0"
 
-# The sub-packages live at the top of the repository (router/, policies/, metrics/, loadtest/) and
+# The sub-packages live at the top of the repository (router/, policies/, metrics/, sglang_protocol/, loadtest/) and
 # install as kvrouter.router etc. When Python imports this folder straight from a source checkout
 # (e.g. `python -m kvrouter.cli` run in the repository root, which shadows an installed copy),
 # let the sub-packages resolve to those top-level folders too.

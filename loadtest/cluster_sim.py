@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics.sglang import ReplicaSignals
-from ..policies.base import RequestSummary
+from ..sglang_protocol.signals import ReplicaSignals
+from ..policies.domain import RequestSummary
 from ..policies.registry import build_policy
 from ..router.affinity import LocalAffinity
 from ..router.engine import RoutingEngine
-from ..router.kv_index import ShadowKVIndex
+from ..router.kv_index_shadow import ShadowKVIndex
 from ..router.placement import Placement
 from ..router.replicas import ReplicaRegistry
 from ..router.sessions import SessionTable

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from kvrouter.metrics.sglang import parse_metrics_text
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 __all__ = ["metrics_url", "sample_loads"]
 

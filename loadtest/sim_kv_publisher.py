@@ -2,7 +2,7 @@
 
 The replica model's radix cache calls a *kv_sink* (``stored`` / ``removed`` / ``cleared``) with its
 own page keys (blake2b chains that include the cache namespace). This module is that sink: it
-translates each page into SGLang's event block hash (``metrics/kv_events.py``: SHA-256 chained on
+translates each page into SGLang's event block hash (``sglang_protocol/block_hash.py``: SHA-256 chained on
 the parent page's digest, first 8 bytes as a signed int64), buffers the events of one model step,
 and :meth:`SimKVPublisher.flush` sends them as one ``KVEventBatch`` on a ZMQ PUB socket as
 ``[topic, seq (8 bytes big-endian, from 0), msgpack payload]``.
@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..metrics.kv_events import (
+from ..sglang_protocol.kv_events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -48,12 +48,10 @@ from ..metrics.kv_events import (
     KVEvent,
     KVEventBatch,
     encode_batch,
-    hash_hex_to_int64,
-    namespace_prior,
     pack_seq,
-    page_hash_hex,
     unpack_seq,
 )
+from ..sglang_protocol.block_hash import hash_hex_to_int64, namespace_prior, page_hash_hex
 
 log = logging.getLogger("kvrouter.sim")
 

@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
 )
 
-from ..metrics import sglang as sg
+from ..sglang_protocol import signals as sg
 
 if TYPE_CHECKING:
     from .sim_replica import SimReplica

@@ -34,8 +34,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..metrics import sglang as sg
-from ..metrics.kv_events import request_namespace
+from ..sglang_protocol import signals as sg
+from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
 from .profiles import Profile, load_profile
 from .radix_cache import page_keys

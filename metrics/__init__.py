@@ -1,1 +1,1 @@
-"""kvrouter metrics."""
+"""The router's own Prometheus metrics, its Grafana dashboard and alert rules."""

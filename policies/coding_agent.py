@@ -33,7 +33,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
+from .domain import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
 from .cost import CostParams, expected_cost, prefill_s
 from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
 

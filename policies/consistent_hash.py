@@ -13,7 +13,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Capabilities, Decision, RequestSummary, Snapshot
+from .domain import Capabilities, Decision, RequestSummary, Snapshot
 
 
 def _h(data: str) -> int:

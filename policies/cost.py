@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import ReplicaView, RequestSummary
+from .domain import ReplicaView, RequestSummary
 
 # KV capacity (tokens) of the reference replica, assumed until a replica reports its own
 # max_total_num_tokens: the one routing default the policy, the engine and the KV index share.

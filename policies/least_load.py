@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Capabilities, Decision, RequestSummary, Snapshot
+from .domain import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class LeastLoad:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Capabilities, Decision, RequestSummary, Snapshot
+from .domain import Capabilities, Decision, RequestSummary, Snapshot
 
 
 class RandomChoice:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .base import Policy
+from .domain import Policy
 from .coding_agent import CodingAgent, CodingAgentParams
 from .consistent_hash import ConsistentHash, ConsistentHashParams
 from .least_load import LeastLoad

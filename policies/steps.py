@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import ReplicaView, RequestSummary, Snapshot
+from .domain import ReplicaView, RequestSummary, Snapshot
 from .cost import CostParams, expected_costs
 
 

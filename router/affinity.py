@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable
 from typing import Protocol
 
-from ..policies.base import SessionView
+from ..policies.domain import SessionView
 from . import affinity_lua as lua
 from .redis_cluster import ClusterRedis
 from .redis_pipe import PipelinedRedis, Script

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
-from ..metrics.sglang import ReplicaSignals
-from ..policies.base import Policy
+from ..sglang_protocol.signals import ReplicaSignals
+from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig
@@ -28,9 +28,10 @@ from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
 from .housekeeping import Housekeeping
-from .kv_events_index import ExactKVIndex, request_blocks
+from .kv_index_exact import ExactKVIndex, request_blocks
 from .kv_events_subscriber import KVEventSubscriber
-from .kv_index import KVIndex, ShadowKVIndex
+from .kv_index import KVIndex
+from .kv_index_shadow import ShadowKVIndex
 from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
 from .poller import SignalPoller

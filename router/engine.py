@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import Decision, Policy, RequestSummary, SessionView
+from ..policies.domain import Decision, Policy, RequestSummary, SessionView
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
 from .placement import Placement, RequestRoute, SessionStore

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import RequestSummary
+from ..policies.domain import RequestSummary
 from .config import RouterConfig, normalize_replica_url
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from

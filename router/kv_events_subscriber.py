@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from yarl import URL
 
-from ..metrics.kv_events import (
+from ..sglang_protocol.kv_events import (
     KVEventBatch,
     KVEventDecodeError,
     decode_batch,
@@ -35,7 +35,7 @@ from ..metrics.kv_events import (
 )
 from ..metrics.router_metrics import RouterMetrics
 from .config import KVEventsConfig
-from .kv_events_index import ExactKVIndex
+from .kv_index_exact import ExactKVIndex
 from .supervise import spawn
 
 log = logging.getLogger("kvrouter")

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..policies.base import Decision, RequestSummary, SessionView
+from ..policies.domain import Decision, RequestSummary, SessionView
 
 if TYPE_CHECKING:
     from .engine import RoutingEngine

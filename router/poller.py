@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from ..metrics.router_metrics import RouterMetrics
-from ..metrics.sglang import ReplicaSignals, SignalParseError, parse_loads_json, parse_metrics_text
+from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_loads_json, parse_metrics_text
 from .config import SignalsConfig
 from .replicas import ReplicaRegistry
 

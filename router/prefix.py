@@ -79,8 +79,9 @@ def prompt_bytes(route: str, body: Mapping[str, Any]) -> bytes:
     return _content_bytes(body.get(key))
 
 
-def block_hashes(data: bytes, ns: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
-    """Chained 64-bit hashes of every whole block of `data`."""
+def text_block_hashes(data: bytes, ns: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
+    """Chained 64-bit hashes (blake2b) of every whole block of the prompt text `data`: the shadow
+    index's blocks. Not SGLang's block hashes (sglang_protocol/block_hash.py hashes token ids)."""
     h = hashlib.blake2b(ns, digest_size=8)
     out = []
     for start in range(0, len(data) - block_chars + 1, block_chars):

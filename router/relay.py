@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.base import RequestSummary
+from ..policies.domain import RequestSummary
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine

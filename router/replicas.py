@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Any
 
-from ..metrics.sglang import ReplicaSignals
-from ..policies.base import ReplicaView, Snapshot
+from ..sglang_protocol.signals import ReplicaSignals
+from ..policies.domain import ReplicaView, Snapshot
 
 _SIGNAL_FIELDS = (
     "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",

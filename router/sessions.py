@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..policies.base import SessionView
+from ..policies.domain import SessionView
 
 
 @dataclass(slots=True)

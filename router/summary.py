@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..policies.base import RequestSummary
+from ..policies.domain import RequestSummary
 from .config import RoutingConfig
-from .prefix import block_hashes, namespace, prompt_bytes, session_key
+from .prefix import text_block_hashes, namespace, prompt_bytes, session_key
 
 BYTES_PER_TOKEN = 4  # ~4 characters per token for code and English; token ids are 4 bytes each
 
 
-# (route, body) -> (prompt tokens, SGLang block hashes) or None: see kv_events_index.request_blocks.
+# (route, body) -> (prompt tokens, SGLang block hashes) or None: see kv_index_exact.request_blocks.
 ExactBlocks = Callable[[str, dict[str, Any]], "tuple[int, tuple[int, ...]] | None"]
 
 
@@ -36,7 +36,7 @@ def summarize(
     else:
         data = prompt_bytes(route, body)
         prompt_tokens = len(data) // BYTES_PER_TOKEN
-        blocks = () if exact is not None else block_hashes(data, namespace(body), config.block_chars)
+        blocks = () if exact is not None else text_block_hashes(data, namespace(body), config.block_chars)
     return RequestSummary(
         route=route,
         session_key=session_key(headers, body, config.session_headers, config.session_fields),

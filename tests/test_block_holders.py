@@ -98,7 +98,7 @@ def test_shadow_index_lru_order_and_gc_untracked():
     order, an OrderedDict LRU would; and neither it nor the holders are tracked by the GC."""
     from collections import OrderedDict
 
-    from kvrouter.router.kv_index import ShadowKVIndex
+    from kvrouter.router.kv_index_shadow import ShadowKVIndex
 
     rng = random.Random(5)
     idx = ShadowKVIndex(64)

@@ -3,7 +3,7 @@
 import msgpack
 import pytest
 
-from kvrouter.metrics.kv_events import (
+from kvrouter.sglang_protocol.kv_events import (
     END_SEQ,
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -12,18 +12,20 @@ from kvrouter.metrics.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventDecodeError,
-    block_hash_chain_hex,
-    block_hashes,
-    block_stored_events,
     decode_batch,
     decode_message,
     encode_batch,
     encode_message,
-    hash_hex_to_int64,
     offset_endpoint_port,
-    page_hash_hex,
     split_topic,
     unpack_seq,
+)
+from kvrouter.sglang_protocol.block_hash import (
+    block_hash_chain_hex,
+    token_block_hashes,
+    block_stored_events,
+    hash_hex_to_int64,
+    page_hash_hex,
 )
 
 # Hand-assembled from SGLang's struct declarations (see the module docstring):
@@ -62,7 +64,7 @@ def test_golden_decode():
 
 
 def test_golden_hash_is_sglang_page_hash():
-    assert block_hashes([1, 2, 3, 4], 4) == [H1]
+    assert token_block_hashes([1, 2, 3, 4], 4) == [H1]
     assert page_hash_hex([1, 2, 3, 4]).startswith("cf97adeedb59e05b")
 
 
@@ -148,7 +150,7 @@ def test_block_stored_events_parent_links():
     prior = block_hash_chain_hex(list(range(8)), 4)[-1]
     more = block_stored_events(list(range(8, 12)), 4, prior_hash_hex=prior)
     assert more[0].parent_block_hash == evs[1].block_hashes[0]
-    assert more[0].block_hashes == block_hashes(list(range(12)), 4)[2:]
+    assert more[0].block_hashes == token_block_hashes(list(range(12)), 4)[2:]
 
 
 def test_token_out_of_range():

@@ -15,10 +15,11 @@ from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_kv_publisher import SimKVPublisher
 from kvrouter.loadtest.sim_prompt import kv_token_ids
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.metrics import kv_events as kve
+from kvrouter.sglang_protocol import block_hash as bh
+from kvrouter.sglang_protocol import kv_events as kve
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.router.config import ConfigError, KVEventsConfig, parse_config
-from kvrouter.router.kv_events_index import ExactKVIndex, request_blocks
+from kvrouter.router.kv_index_exact import ExactKVIndex, request_blocks
 from kvrouter.router.kv_events_subscriber import KVEventSubscriber
 from kvrouter.router.tokenizers import input_ids
 
@@ -46,7 +47,7 @@ async def until(cond: Callable[[], bool]) -> None:
 
 def test_stored_removed_cleared_drive_match():
     idx = ExactKVIndex(PS)
-    chain = kve.block_hashes(list(range(PS * 6)), PS)
+    chain = bh.token_block_hashes(list(range(PS * 6)), PS)
     idx.apply("a", batch(stored(chain[:4]), stored(chain[4:6])))  # one parent-linked run, split
     idx.apply("b", batch(stored(chain[:2])))
     assert idx.match(chain) == {"a": 6 * PS, "b": 2 * PS}
@@ -69,7 +70,7 @@ def test_stored_removed_cleared_drive_match():
 
 def test_host_tier_is_reported_past_the_device_prefix():
     idx = ExactKVIndex(PS)
-    chain = kve.block_hashes(list(range(PS * 5)), PS)
+    chain = bh.token_block_hashes(list(range(PS * 5)), PS)
     idx.apply("a", batch(stored(chain[:5])))
     # HiCache moves the tail to host: BlockRemoved(GPU) + BlockStored(CPU_PINNED).
     idx.apply("a", batch(kve.BlockRemoved(chain[2:5], kve.MEDIUM_GPU), stored(chain[2:5], kve.MEDIUM_CPU)))
@@ -89,12 +90,12 @@ def test_request_blocks_are_the_published_hashes():
     ids = kv_token_ids("/v1/chat/completions", body)
     assert ids is not None
     tokens, blocks = request_blocks(kv_token_ids, "/v1/chat/completions", body, PS)
-    assert tokens == len(ids) and list(blocks) == kve.block_hashes(ids, PS, include_partial=False)
+    assert tokens == len(ids) and list(blocks) == bh.token_block_hashes(ids, PS, include_partial=False)
     # A namespace seeds the chain exactly as the simulated publisher does.
     salted = {**body, "cache_salt": "s"}
-    prior = kve.namespace_prior(kve.request_namespace("tiny", salted))
+    prior = bh.namespace_prior(bh.request_namespace("tiny", salted))
     _, salted_blocks = request_blocks(kv_token_ids, "/v1/chat/completions", salted, PS)
-    assert list(salted_blocks) == kve.block_hashes(ids, PS, prior, include_partial=False)
+    assert list(salted_blocks) == bh.token_block_hashes(ids, PS, prior, include_partial=False)
     # The default tokenizer only knows client-sent input_ids; bad ids or a failing plug-in
     # mean no prefix information.
     assert request_blocks(input_ids, "/v1/chat/completions", body, PS) is None

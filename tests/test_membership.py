@@ -10,7 +10,7 @@ from kvrouter.policies.registry import build_policy
 from kvrouter.router.config import parse_config
 from kvrouter.router.discovery import Discovery
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.membership import Membership, ReplicaMembership
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable

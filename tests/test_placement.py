@@ -13,10 +13,10 @@ import aiohttp
 
 from kvrouter.loadtest.sim_server import build_app
 from kvrouter.metrics.router_metrics import RouterMetrics
-from kvrouter.policies.base import Decision, RequestSummary, SessionView, Snapshot
+from kvrouter.policies.domain import Decision, RequestSummary, SessionView, Snapshot
 from kvrouter.router.affinity import LocalAffinity
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvrouter.policies.base import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
 from kvrouter.policies.registry import build_policy
 
 

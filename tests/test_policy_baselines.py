@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from kvrouter.policies.base import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
 from kvrouter.policies.registry import build_policy
 
 

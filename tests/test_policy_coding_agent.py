@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvrouter.policies.base import ReplicaView, RequestSummary, SessionView, Snapshot
+from kvrouter.policies.domain import ReplicaView, RequestSummary, SessionView, Snapshot
 from kvrouter.policies.coding_agent import CodingAgent, CodingAgentParams
 from kvrouter.policies.registry import build_policy
 

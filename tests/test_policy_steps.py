@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvrouter.policies.base import Capabilities, ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.domain import Capabilities, ReplicaView, RequestSummary, Snapshot
 from kvrouter.policies.cost import DEFAULT_CAPACITY_TOKENS, CostParams, expected_costs
 from kvrouter.policies.registry import TYPES, build_policy
 from kvrouter.policies.steps import (
@@ -19,7 +19,7 @@ from kvrouter.policies.steps import (
     without,
 )
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable
 

@@ -12,11 +12,11 @@ import pytest
 from aiohttp import web
 
 from kvrouter.metrics.router_metrics import RouterMetrics
-from kvrouter.policies.base import Decision, RequestSummary, SessionView
+from kvrouter.policies.domain import Decision, RequestSummary, SessionView
 from kvrouter.router.affinity import MemoryAffinityStore
 from kvrouter.router.config import UpstreamConfig
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.placement import Placement
 from kvrouter.router.relay import Relay
 from kvrouter.router.replicas import ReplicaRegistry

@@ -6,8 +6,8 @@ import random
 
 from kvrouter.policies.registry import build_policy
 from kvrouter.router.engine import RoutingEngine
-from kvrouter.router.kv_index import ShadowKVIndex
-from kvrouter.router.prefix import block_hashes, namespace, prompt_bytes, session_key
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
+from kvrouter.router.prefix import text_block_hashes, namespace, prompt_bytes, session_key
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable
 
@@ -25,10 +25,10 @@ def test_session_key_precedence_headers_then_body():
 
 
 def test_whole_conversation_is_the_prefix_not_the_first_message():
-    a = block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "A" * 600)), b"")
-    b = block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "B" * 600)), b"")
+    a = text_block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "A" * 600)), b"")
+    b = text_block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "B" * 600)), b"")
     assert a[:2] == b[:2] and a[3:] != b[3:]  # shared first message, different second
-    turn2 = block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "A" * 600, "C" * 600)), b"")
+    turn2 = text_block_hashes(prompt_bytes("/v1/chat/completions", chat("x" * 600, "A" * 600, "C" * 600)), b"")
     assert turn2[: len(a)] == a  # a growing conversation extends its own chain
 
 
@@ -40,9 +40,9 @@ def test_session_id_never_becomes_prefix_text():
 
 def test_namespaces_never_share_blocks():
     data = prompt_bytes("/v1/chat/completions", chat("y" * 2000))
-    plain = block_hashes(data, namespace(chat("")))
-    salted = block_hashes(data, namespace(chat("", cache_salt="tenant-a")))
-    lora = block_hashes(data, namespace(chat("", lora_path="adapter")))
+    plain = text_block_hashes(data, namespace(chat("")))
+    salted = text_block_hashes(data, namespace(chat("", cache_salt="tenant-a")))
+    lora = text_block_hashes(data, namespace(chat("", lora_path="adapter")))
     assert not set(plain) & set(salted) and not set(plain) & set(lora)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvrouter.metrics import sglang as sg
-from kvrouter.metrics.sglang import (
+from kvrouter.sglang_protocol import signals as sg
+from kvrouter.sglang_protocol.signals import (
     ReplicaSignals,
     SignalParseError,
     parse_loads_json,

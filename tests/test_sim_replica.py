@@ -26,8 +26,9 @@ from kvrouter.loadtest.radix_cache import DEVICE, page_keys
 from kvrouter.loadtest.sim_prompt import render_chat
 from kvrouter.loadtest.sim_replica import SimReplica
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.metrics import kv_events as kve
-from kvrouter.metrics import sglang as sg
+from kvrouter.sglang_protocol import block_hash as bh
+from kvrouter.sglang_protocol import kv_events as kve
+from kvrouter.sglang_protocol import signals as sg
 
 FAST = 200.0  # model seconds per wall second
 PS = 16  # tiny profile page size
@@ -472,7 +473,7 @@ async def test_kv_event_stream_reproduces_cache_contents(start_sim, hicache):
         expect_gpu: set[int] = set()
         expect_cpu: set[int] = set()
         for keys, tokens in seqs_text:
-            hashes = kve.block_hashes(tokens, PS, include_partial=False)
+            hashes = bh.token_block_hashes(tokens, PS, include_partial=False)
             for key, h in zip(keys, hashes):
                 tier = sim.model.cache.tier_of(key)
                 if tier == DEVICE:
@@ -487,7 +488,7 @@ async def test_kv_event_stream_reproduces_cache_contents(start_sim, hicache):
         # A parent-linked chain: the first stored block of the first request starts at the root.
         first = kve.decode_batch(replayed[0][1]).events[0]
         assert isinstance(first, kve.BlockStored) and first.parent_block_hash is None
-        assert first.block_hashes[0] == kve.block_hashes(seqs_text[0][1][:PS], PS)[0]
+        assert first.block_hashes[0] == bh.token_block_hashes(seqs_text[0][1][:PS], PS)[0]
 
         # flush_cache -> AllBlocksCleared
         assert sim.model.flush_cache()

@@ -17,12 +17,12 @@ import zmq.asyncio
 
 from kvrouter.loadtest.sim_kv_publisher import SimKVPublisher
 from kvrouter.loadtest.sim_server import build_app
-from kvrouter.metrics import kv_events as kve
+from kvrouter.sglang_protocol import kv_events as kve
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.router import discovery as discovery_module
 from kvrouter.router import poller as poller_module
 from kvrouter.router.config import KVEventsConfig
-from kvrouter.router.kv_events_index import ExactKVIndex
+from kvrouter.router.kv_index_exact import ExactKVIndex
 from kvrouter.router.kv_events_subscriber import KVEventSubscriber
 from kvrouter.router.supervise import Backoff, supervise
 

@@ -13,7 +13,7 @@ import aiohttp
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_prompt import kv_token_ids
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.router.kv_events_index import request_blocks
+from kvrouter.router.kv_index_exact import request_blocks
 from kvrouter.router.tokenizers import TokenizePool
 
 PS = 16

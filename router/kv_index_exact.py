@@ -1,6 +1,6 @@
 """The exact KV index: which SGLang blocks each replica holds, learned from its KV events.
 
-Blocks are SGLang's event block hashes (metrics/kv_events.py), so a request's blocks are the
+Blocks are SGLang's event block hashes (sglang_protocol/block_hash.py), so a request's blocks are the
 hashes of its token ids per page, which the router gets from a pluggable tokenizer
 (router/tokenizers.py). Device (GPU) blocks give `cached_tokens`; blocks only on the HiCache
 host tier (CPU_PINNED) give `host_cached_tokens`, the part of the prefix a replica can load back
@@ -14,14 +14,16 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..metrics.kv_events import (
+from ..sglang_protocol.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
-    NAMESPACE_FIELDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+)
+from ..sglang_protocol.block_hash import (
+    NAMESPACE_FIELDS,
     full_page_hashes,
     namespace_prior,
     request_namespace,
@@ -127,7 +129,7 @@ def request_blocks(
     """(prompt tokens, SGLang block hashes of its full pages), or None if `tokenize` cannot tell.
 
     A request with extra_key/cache_salt/lora_path starts its chain from kvrouter's namespace
-    seed (metrics/kv_events.py), as the simulated publisher does.
+    seed (sglang_protocol/block_hash.py), as the simulated publisher does.
     """
     try:
         ids = tokenize(route, body)
