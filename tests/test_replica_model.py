@@ -418,7 +418,8 @@ def test_benchmark_many_sessions_reports_events_per_second():
 
 def test_random_churn_keeps_the_books_balanced():
     """Sessions, aborts and HiCache under pressure: every request ends exactly once, no leaks."""
-    profile = TINY.model_copy(update={"max_total_num_tokens": 6144, "host_total_num_tokens": 4096})
+    # host pool twice the device pool, as --hicache-ratio 2 (write_through mirrors device pages)
+    profile = TINY.model_copy(update={"max_total_num_tokens": 6144, "host_total_num_tokens": 12288})
     model = ReplicaModel(profile)
     rng = random.Random(5)
     history = {s: tokens(600 + s, rng.randint(100, 1500)) for s in range(10)}
