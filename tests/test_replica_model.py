@@ -389,7 +389,9 @@ def test_every_profile_loads_and_kimi_is_calibrated():
     cold = timing.chunked_prefill_time(p, 100_000, 0)
     warm = timing.chunked_prefill_time(p, 2_000, 98_000)
     assert 2.0 < cold < 8.0 and 0.1 <= warm <= 0.2
-    assert 100 <= timing.decode_tokens_per_s_per_user(p, 1, 100_000) <= 200
+    # batch-1 decode with DFlash at 100k context: between the old 186 tok/s and TRT-LLM's MTP
+    # record scaled by accept length (docs/profiles.md); 405 from the derivation
+    assert 300 <= timing.decode_tokens_per_s_per_user(p, 1, 100_000) <= 600
     assert load_profile("kimi-k2.6-b200-tp4-hicache").host_total_num_tokens == 2 * p.max_total_num_tokens
 
 
