@@ -26,6 +26,11 @@ def rows(p: Profile) -> list[tuple[str, str]]:
         host = timing.chunked_prefill_time(p, 2_000, 98_000, load_back_tokens=98_000)
         out.append(("TTFT host hit, 98k loaded back + 2k new", f"{host:.3f} s"))
         out.append(("Host tier capacity (tokens)", f"{p.host_total_num_tokens:,}"))
+        # write_through mirrors device pages on host: distinct tokens are bounded by the host pool
+        unique = (max(p.host_total_num_tokens, p.max_total_num_tokens) if p.hicache_write_through
+                  else p.host_total_num_tokens + p.max_total_num_tokens)
+        policy = "write_through" if p.hicache_write_through else "write_back"
+        out.append(("Distinct cached tokens, device + host", f"{unique:,} ({policy})"))
     out.append(("Prefill tok/s per GPU, cold 100k", f"{SESSION / cold / p.gpus:,.0f}"))
     for b in (1, 8, 32):
         per_user = timing.decode_tokens_per_s_per_user(p, b, SESSION)

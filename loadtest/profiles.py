@@ -42,8 +42,11 @@ class Profile(BaseModel):
     kv_read_shards: int = Field(default=1, ge=1)  # GPUs the KV read is split over
     attn_flops_per_token_pair: float = Field(gt=0)
 
+    dense_weight_bytes_per_param: float | None = Field(default=None, gt=0)  # None: weight_bytes_per_param
+
     # --- hardware (per GPU) ---
-    flops_eff_per_gpu: float = Field(gt=0)
+    flops_eff_per_gpu: float = Field(gt=0)  # GEMM FLOP/s (the 2 N_active part)
+    attn_flops_eff_per_gpu: float | None = Field(default=None, gt=0)  # attention; None: flops_eff
     hbm_bw_per_gpu: float = Field(gt=0)
     hbm_efficiency: float = Field(gt=0, le=1)
     host_load_bw_per_gpu: float = Field(gt=0)
@@ -57,6 +60,21 @@ class Profile(BaseModel):
     spec_verify_tokens: int = Field(default=1, ge=1)
     t_draft: float = Field(default=0.0, ge=0)
 
+    # --- HiCache: write_through keeps a host copy of every device page (SGLang's default policy) ---
+    hicache_write_through: bool = True
+
+    # --- derivation inputs (docs/profiles.md, loadtest/derivation.py); when given, the derived
+    # capacity and fixed costs must equal the values above, so no constant drifts on its own ---
+    gpu_free_gib: float | None = Field(default=None, gt=0)  # free per GPU before weights load
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    weight_gib_per_gpu: float | None = Field(default=None, gt=0)
+    draft_weight_gib_per_gpu: float = Field(default=0.0, ge=0)
+    draft_kv_bytes_per_token: float = Field(default=0.0, ge=0)
+    reserve_gib: float = Field(default=0.0, ge=0)  # other reservations out of the KV budget
+    n_layers: int | None = Field(default=None, gt=0)
+    t_layer: float | None = Field(default=None, gt=0)  # fixed cost per layer per forward
+    draft_layers: int = Field(default=0, ge=0)
+
     @model_validator(mode="after")
     def _check(self) -> Profile:
         if self.n_active_params > self.n_total_params:
@@ -67,6 +85,9 @@ class Profile(BaseModel):
             raise ValueError("spec_accept_length cannot exceed spec_verify_tokens")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must hold at least one page")
+        from .derivation import check_derivation  # late import: derivation reads Profile fields
+
+        check_derivation(self)
         return self
 
 

@@ -11,8 +11,13 @@ Semantics kept from `mem_cache/radix_cache.py` and `hiradix_cache.py`:
 - with a host tier (HiCache), a page evicted from the device moves to host if host has room
   (host LRU evicts host leaves for it); along any path device pages come first, then host pages,
   so a match is "device prefix, then host prefix"; host hits are loaded back to the device.
-  (SGLang's write_through keeps a host copy of device pages too; we model the move, which gives
-  the same hits with simpler accounting.)
+- write_through (SGLang's default `--hicache-write-policy`, `write_through_threshold = 1` in
+  `mem_cache/unified_radix_cache.py`) backs every device page up to host as it is inserted, so
+  the host pool holds a copy of each device page plus the host-only pages: dev + host <= host
+  capacity, and unique cached pages are bounded by the host pool, not device + host. A device
+  page evicted under write_through already has its host slot (no host room needed); a new device
+  page takes one (the host LRU evicts a host-only leaf for it). Without write_through (write_back)
+  a page takes a host slot only when it is evicted from the device.
 
 Cost: presence and tier are prefix-closed along a path, so `match` is a binary search (O(log n)
 lookups). Access time is written on the deepest touched node only; an evicted child passes its
@@ -85,8 +90,11 @@ class RadixCache:
         device_capacity_tokens: int,
         host_capacity_tokens: int = 0,
         sink: KVSink | None = None,
+        *,
+        write_through: bool = True,
     ) -> None:
         self.page_size = page_size
+        self.write_through = write_through and host_capacity_tokens > 0
         self.device_capacity_pages = device_capacity_tokens // page_size
         self.host_capacity_pages = host_capacity_tokens // page_size
         self.sink = sink
@@ -113,7 +121,16 @@ class RadixCache:
 
     @property
     def host_tokens(self) -> int:
+        """Host-only tokens (pages not on the device)."""
         return self.host_pages * self.page_size
+
+    @property
+    def unique_capacity_tokens(self) -> int:
+        """Most distinct tokens device and host can hold together."""
+        dev = self.device_capacity_pages
+        host = self.host_capacity_pages
+        pages = max(dev, host) if self.write_through else dev + host
+        return pages * self.page_size
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -250,6 +267,11 @@ class RadixCache:
         self.dev_pages += added
         self.locked_pages += newly_locked
         self._touch(keys[end - 1], now)
+        if self.write_through:
+            # new device pages take host slots (revived ones keep theirs): evict host-only leaves
+            over = self.dev_pages + self.host_pages - self.host_capacity_pages
+            if over > 0:
+                self._evict_host(over)
         if self.sink is not None:
             if revived:
                 self.sink.removed(revived, MEDIUM_CPU)
@@ -288,12 +310,13 @@ class RadixCache:
             done += 1
             parent = node.parent
             pn = nodes[parent] if parent is not None else None
-            if use_host and self.host_pages >= self.host_capacity_pages:
+            # host slots in use once this page leaves the device: under write_through the
+            # remaining device pages hold theirs too
+            in_use = self.host_pages + (self.dev_pages - done if self.write_through else 0)
+            if use_host and in_use >= self.host_capacity_pages:
                 self._emit_eviction(dropped, moved)  # keep each key's events in order
                 dropped, moved = [], []
-            if use_host and (
-                self.host_pages < self.host_capacity_pages or self._evict_host(1, protected)
-            ):
+            if use_host and (in_use < self.host_capacity_pages or self._evict_host(1, protected)):
                 node.tier = HOST
                 self.host_pages += 1
                 if pn is not None:
@@ -392,6 +415,8 @@ class RadixCache:
         assert self.dev_pages == tiers.count(DEVICE) and self.host_pages == tiers.count(HOST)
         assert self.locked_pages == sum(1 for n in self._nodes.values() if n.lock_ref)
         assert self.host_pages <= self.host_capacity_pages or self.host_capacity_pages == 0
+        if self.write_through and self.dev_pages <= self.host_capacity_pages:
+            assert self.dev_pages + self.host_pages <= self.host_capacity_pages, "host copies overflow"
 
     def flush(self) -> None:
         """Drop everything (SGLang's /flush_cache, allowed only when nothing runs)."""

@@ -125,7 +125,8 @@ class ReplicaModel:
     def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
         self.profile = profile
         self.cache = RadixCache(
-            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, kv_sink
+            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, kv_sink,
+            write_through=profile.hicache_write_through,
         )
         self._ps = profile.page_size
         self._cap_pages = profile.max_total_num_tokens // profile.page_size

@@ -1,7 +1,8 @@
 """Roofline timing of one replica: pure functions of a Profile (seconds).
 
 Prefill of n_new tokens after a cached prefix p (one forward):
-    T = t_prefill_overhead + [2 N_active n_new + A n_new (p + n_new/2)] / (G F_eff)
+    T = t_prefill_overhead + 2 N_active n_new / (G F_eff) + A n_new (p + n_new/2) / (G F_attn)
+(GEMMs run at the NVFP4 rate F_eff, attention at its own rate F_attn; F_attn defaults to F_eff).
 A chunked prefill is a sum of such forwards with p growing; the FLOP terms add up to the one-shot
 formula, so chunking only adds overheads.
 
@@ -11,10 +12,11 @@ of them on average; the wider verify is the price (more experts touched, more FL
 drafter forward `t_draft`:
     T = t_decode_overhead + t_draft + max(memory, compute)
     memory  = W_touched(q) / (G BW_eff) + B L kv_bytes / (kv_read_shards BW_eff)
-    compute = (2 N_active q + A q L) / (G F_eff)
-W_touched(q) = bytes_per_param x (N_dense + N_routed x (1 - (1 - k/E)^q)): the expected share of
+    compute = 2 N_active q / (G F_eff) + A q L / (G F_attn)
+W_touched(q) = dense_bytes x N_dense + bytes_per_param x N_routed x (1 - (1 - k/E)^q): the expected share of
 routed experts hit by q tokens each picking k of E (uniform routing), so it grows from the active
-weights (q = 1) toward all weights (q >> E/k). N_dense follows from N_active = N_dense + N_routed k/E.
+weights (q = 1) toward all weights (q >> E/k). N_dense follows from N_active = N_dense + N_routed k/E;
+its bytes per parameter (BF16 attention, shared experts, lm_head) may differ from the experts' (NVFP4).
 MLA keeps one latent KV head, replicated on every TP rank, so each GPU reads the whole KV
 (kv_read_shards = 1) while weights are split G ways.
 
@@ -37,7 +39,12 @@ def touched_weight_bytes(p: Profile, n_tokens: int) -> float:
     dense = dense_params(p)
     routed = p.n_total_params - dense
     miss = (1.0 - p.experts_per_token / p.n_experts) ** max(n_tokens, 0)
-    return p.weight_bytes_per_param * (dense + routed * (1.0 - miss))
+    dense_bytes = p.dense_weight_bytes_per_param or p.weight_bytes_per_param
+    return dense_bytes * dense + p.weight_bytes_per_param * routed * (1.0 - miss)
+
+
+def attn_flops_eff(p: Profile) -> float:
+    return p.attn_flops_eff_per_gpu or p.flops_eff_per_gpu
 
 
 def prefill_flops(p: Profile, n_new: int, prefix: int) -> float:
@@ -46,7 +53,9 @@ def prefill_flops(p: Profile, n_new: int, prefix: int) -> float:
 
 def prefill_compute_time(p: Profile, n_new: int, prefix: int) -> float:
     """FLOP time of one request's part of a prefill forward (no overhead)."""
-    return prefill_flops(p, n_new, prefix) / (p.gpus * p.flops_eff_per_gpu)
+    gemm = 2.0 * p.n_active_params * n_new / p.flops_eff_per_gpu
+    attn = p.attn_flops_per_token_pair * n_new * (prefix + n_new / 2.0) / attn_flops_eff(p)
+    return (gemm + attn) / p.gpus
 
 
 def prefill_forward_time(p: Profile, n_new: int, prefix: int) -> float:
@@ -77,9 +86,10 @@ def decode_step_time(p: Profile, batch: int, mean_context: float) -> float:
     memory = touched_weight_bytes(p, q) / (p.gpus * bw) + batch * mean_context * p.kv_bytes_per_token / (
         p.kv_read_shards * bw
     )
-    compute = (2.0 * p.n_active_params * q + p.attn_flops_per_token_pair * q * mean_context) / (
-        p.gpus * p.flops_eff_per_gpu
-    )
+    compute = (
+        2.0 * p.n_active_params * q / p.flops_eff_per_gpu
+        + p.attn_flops_per_token_pair * q * mean_context / attn_flops_eff(p)
+    ) / p.gpus
     draft = p.t_draft if p.spec_verify_tokens > 1 else 0.0
     return p.t_decode_overhead + draft + max(memory, compute)
 

@@ -22,7 +22,9 @@ from .domain import ReplicaView, RequestSummary
 
 # KV capacity (tokens) of the reference replica, assumed until a replica reports its own
 # max_total_num_tokens: the one routing default the policy, the engine and the KV index share.
-DEFAULT_CAPACITY_TOKENS = 444_672
+# deploy/sglang's Kimi K2.6 on 4 x B200 with FP8 KV, derived from SGLang's memory plan in
+# docs/profiles.md (profile kimi-k2.6-b200-tp4-fp8kv-hicache).
+DEFAULT_CAPACITY_TOKENS = 511_552
 
 
 class CostParams(BaseModel):

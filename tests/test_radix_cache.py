@@ -143,7 +143,7 @@ def test_lock_is_counted_once_per_page_when_shared():
 def test_device_eviction_moves_to_host_and_match_walks_device_then_host():
     keys = page_keys(seq(0, 24), PS)
     sink = Sink()
-    cache = RadixCache(PS, 1000, host_capacity_tokens=100, sink=sink)
+    cache = RadixCache(PS, 1000, host_capacity_tokens=100, sink=sink, write_through=False)
     put(cache, keys, 1.0)
     cache.evict(2 * PS)
     assert cache.tier_of(keys[5]) == HOST and cache.tier_of(keys[3]) == DEVICE
@@ -159,7 +159,7 @@ def test_device_eviction_moves_to_host_and_match_walks_device_then_host():
 
 def test_full_host_evicts_its_own_lru_leaves():
     a, b = page_keys(seq(0, 8), PS), page_keys(seq(100, 8), PS)
-    cache = RadixCache(PS, 1000, host_capacity_tokens=2 * PS)
+    cache = RadixCache(PS, 1000, host_capacity_tokens=2 * PS, write_through=False)  # write_back
     put(cache, a, 1.0)
     put(cache, b, 2.0)
     cache.evict(2 * PS)  # a -> host (fills it)
@@ -170,6 +170,46 @@ def test_full_host_evicts_its_own_lru_leaves():
     assert cache.host_tokens == 2 * PS and cache.device_tokens == 0
     assert cache.tier_of(a[0]) == HOST and cache.tier_of(b[0]) == HOST
     assert a[1] not in cache and b[1] not in cache
+
+
+def _fill_with_churn(cache, n_chains=30):
+    peak = 0
+    for t in range(n_chains):
+        keys = page_keys(seq(1000 * t, 4 * PS), PS)
+        dev, _ = cache.match(keys, len(keys), float(t))
+        need = (len(keys) - dev) * PS - (cache.device_capacity_pages * PS - cache.device_tokens)
+        if need > 0:
+            cache.evict(need)
+        cache.insert(keys, dev, len(keys), float(t))
+        cache.check_invariants()
+        peak = max(peak, len(cache))
+    return peak
+
+
+def test_write_through_host_pool_bounds_unique_pages():
+    """write_through mirrors every device page on host: device + host-only <= the host pool."""
+    wt = RadixCache(PS, 8 * PS, host_capacity_tokens=16 * PS)
+    assert _fill_with_churn(wt) == 16 and wt.dev_pages + wt.host_pages <= 16
+    assert wt.unique_capacity_tokens == 16 * PS
+    # write_back takes a host slot only on eviction: device and host add up
+    wb = RadixCache(PS, 8 * PS, host_capacity_tokens=16 * PS, write_through=False)
+    assert _fill_with_churn(wb) == 24 and wb.unique_capacity_tokens == 24 * PS
+
+
+def test_write_through_device_eviction_needs_no_host_room_and_load_back_keeps_it():
+    wt = RadixCache(PS, 8 * PS, host_capacity_tokens=16 * PS)
+    a = page_keys(seq(0, 8 * PS), PS)
+    put(wt, a, 1.0)  # 8 device pages, 8 host slots mirror them
+    assert wt.evict(8 * PS) == 8 * PS and wt.host_pages == 8 and wt.dev_pages == 0
+    b = page_keys(seq(500, 8 * PS), PS)
+    put(wt, b, 2.0)  # 8 new device pages take the 8 free host slots: nothing evicted from host
+    assert wt.host_pages == 8 and len(wt) == 16
+    wt.evict(4 * PS)  # b's tail moves to host without touching a
+    assert wt.host_pages == 12 and all(k in wt for k in a)
+    c = page_keys(seq(900, 2 * PS), PS)
+    put(wt, c, 3.0)  # 2 new device pages: the host LRU (a's tail) gives up 2 host-only slots
+    assert wt.dev_pages + wt.host_pages == 16 and a[-1] not in wt and a[-2] not in wt
+    wt.check_invariants()
 
 
 def test_events_carry_parent_chain_and_tokens():
@@ -203,7 +243,7 @@ def test_a_sink_mirror_always_equals_the_cache_under_host_churn():
         def cleared(self):
             mirror.clear()
 
-    cache = RadixCache(PS, 1000, host_capacity_tokens=6 * PS, sink=Mirror())
+    cache = RadixCache(PS, 1000, host_capacity_tokens=6 * PS, sink=Mirror(), write_through=False)
     chains = [page_keys(seq(100 * i, 4 * (2 + i % 3)), PS) for i in range(12)]
     for t, keys in enumerate(chains * 3):
         dev, host = cache.match(keys, len(keys), float(t))

@@ -389,7 +389,9 @@ def test_every_profile_loads_and_kimi_is_calibrated():
     cold = timing.chunked_prefill_time(p, 100_000, 0)
     warm = timing.chunked_prefill_time(p, 2_000, 98_000)
     assert 2.0 < cold < 8.0 and 0.1 <= warm <= 0.2
-    assert 100 <= timing.decode_tokens_per_s_per_user(p, 1, 100_000) <= 200
+    # batch-1 decode with DFlash at 100k context: between the old 186 tok/s and TRT-LLM's MTP
+    # record scaled by accept length (docs/profiles.md); 405 from the derivation
+    assert 300 <= timing.decode_tokens_per_s_per_user(p, 1, 100_000) <= 600
     assert load_profile("kimi-k2.6-b200-tp4-hicache").host_total_num_tokens == 2 * p.max_total_num_tokens
 
 
@@ -418,7 +420,8 @@ def test_benchmark_many_sessions_reports_events_per_second():
 
 def test_random_churn_keeps_the_books_balanced():
     """Sessions, aborts and HiCache under pressure: every request ends exactly once, no leaks."""
-    profile = TINY.model_copy(update={"max_total_num_tokens": 6144, "host_total_num_tokens": 4096})
+    # host pool twice the device pool, as --hicache-ratio 2 (write_through mirrors device pages)
+    profile = TINY.model_copy(update={"max_total_num_tokens": 6144, "host_total_num_tokens": 12288})
     model = ReplicaModel(profile)
     rng = random.Random(5)
     history = {s: tokens(600 + s, rng.randint(100, 1500)) for s in range(10)}

@@ -168,10 +168,10 @@ def test_a_replica_coming_back_shows_the_sessions_still_homed_on_it():
 
 
 def test_kv_pressure_rebalance_moves_long_idle_sessions_only_when_enabled():
-    eng = _engine(3)  # default capacity 444,672 tokens per replica
-    for i in range(6):  # 600k tokens homed on r0: over its whole capacity
+    eng = _engine(3)  # default capacity 511,552 tokens per replica
+    for i in range(6):  # 720k tokens homed on r0: over its whole capacity
         eng.table.acquire(f"s{i}", i * 100)
-        eng.table.assign(f"s{i}", "r0", force=False, tokens=100_000, now=i * 100)
+        eng.table.assign(f"s{i}", "r0", force=False, tokens=120_000, now=i * 100)
         eng.table.release(f"s{i}", i * 100)
     assert eng.plan_rebalance(now=600, min_fresh_age_s=10, max_moves=4) == []  # off by default
     moves = eng.plan_rebalance(now=600, min_fresh_age_s=10, max_moves=4, kv_pressure=True)

@@ -410,8 +410,8 @@ async def test_kv_event_stream_reproduces_cache_contents(start_sim, hicache):
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     profile = load_profile("tiny")
-    if hicache:
-        profile = profile.model_copy(update={"host_total_num_tokens": 8192})
+    if hicache:  # host pool twice the device pool (--hicache-ratio 2): write_through mirrors it
+        profile = profile.model_copy(update={"host_total_num_tokens": 2 * profile.max_total_num_tokens})
     cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://127.0.0.1:{port}",
            "replay_endpoint": "tcp://127.0.0.1:*"}
     sim, url = await start_sim(profile=profile, kv_events_config=orjson.dumps(cfg).decode())
