@@ -13,12 +13,10 @@ Event kinds, in order of priority at equal times: scale events, replica wake-ups
 internal event), signal polls, delayed signal deliveries, housekeeping (session expiry, fresh
 settling, rebalancing), load samples, requests.
 
-The router side knows only what the live router knows: signals reach the registry (and the KV
-index's capacity) only through polls, never from a replica's true state; a session that ends is not
-forgotten but keeps its home until `session_ttl_s` of idleness (`SessionTable.expire` on the
-housekeeping tick, as router/app.py does). The fleet's true behaviour may differ from the profile
-the policy was tuned for (`SimConfig.world`, loadtest/world.py): faster or slower replicas, less KV,
-signals that arrive late.
+The router side knows only what the live router knows: signals (and KV capacity) arrive only by
+polls; an ended session keeps its home until `session_ttl_s` of idleness (`SessionTable.expire`);
+a crashed replica is found out by failed polls and refused connects. The fleet's true speed, KV
+and signal lag may differ from the profile the policy assumes (`SimConfig.world`, world.py).
 """
 
 from __future__ import annotations
@@ -33,14 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..metrics.sglang import ReplicaSignals
-from ..policies.base import RequestSummary
+from ..policies.base import RequestSummary, SessionView
 from ..policies.registry import build_policy
 from ..router.affinity import LocalAffinity
+from ..router.config import RoutingConfig, SignalsConfig, UpstreamConfig
 from ..router.engine import RoutingEngine
 from ..router.kv_index import ShadowKVIndex
 from ..router.placement import Placement
 from ..router.replicas import ReplicaRegistry
-from ..router.config import RoutingConfig
 from ..router.sessions import SessionTable
 from .profiles import Profile, load_profile, scale_profile
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
@@ -91,9 +89,10 @@ class SimConfig:
     # cached-token counts move by less than one page (0.5% of a 100k prompt) - see docs/simulation.md.
     page_tokens: int | None = None
     policy_params: dict[str, Any] = field(default_factory=dict)
-    # As routing.session_ttl_s: idle sessions keep their home this long (the router never learns
-    # that a session ended).
+    # The live router's defaults (routing.session_ttl_s, signals.*, upstream.max_attempts).
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    failure_threshold: int = SignalsConfig.model_fields["failure_threshold"].default
+    max_attempts: int = UpstreamConfig.model_fields["max_attempts"].default
     # The fleet's true speed, KV capacity and signal lag (nominal: the profile as written).
     world: World = World()
 
@@ -158,7 +157,7 @@ class ClusterSimulator:
         self.profile = scale_profile(nominal, speed=world.speed, capacity=world.capacity)
         self.stride = max(1, config.index_block_tokens // self.profile.page_size)
         self.rng = random.Random(f"sim:{config.seed}:{policy}")
-        self.registry = ReplicaRegistry()
+        self.registry = ReplicaRegistry(failure_threshold=config.failure_threshold)
         self.table = SessionTable(ttl_s=config.session_ttl_s)
         self.affinity = LocalAffinity(self.table, clock=lambda: self.now)  # the live default store
         self.index = ShadowKVIndex(self.profile.page_size * self.stride, nominal.max_total_num_tokens)
@@ -177,6 +176,7 @@ class ClusterSimulator:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._wake_at: dict[str, float] = {}
+        self._dead: set[str] = set()  # crashed replicas the router still lists
         self._signal_due_at = -math.inf  # the last delivery event scheduled
         self._flights: dict[str, _Flight] = {}
         self._turns: dict[int, _Turn] = {}
@@ -218,9 +218,11 @@ class ClusterSimulator:
         self._dirty.add(url)  # the router hears of its signals (and capacity) at the next poll
 
     def _kill_replica(self, url: str) -> None:
+        """The replica crashes. Nothing tells the router: it stays in the registry until failed
+        polls and refused connects (`failure_threshold` in a row) mark it unhealthy."""
         if self.models.pop(url, None) is None:
             return
-        self.engine.remove_replica(url)
+        self._dead.add(url)
         self._wake_at.pop(url, None)
         for rid, flight in list(self._flights.items()):
             if flight.replica == url:  # the client sees a failed request; the session goes on
@@ -283,15 +285,14 @@ class ClusterSimulator:
         record = RequestRecord(session.session_id, ok=False, start_s=self.now, prompt_tokens=prompt,
                                turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
         view = self.affinity.acquire(session.session_id)
-        placement = self.engine.place(summary, view)
+        placement = self._place(summary, view)
         if placement is None:
             self.affinity.end(session.session_id)
             record.error = "no replica"
             self.records.append(record)
             self._reply(idx, req, None)
             return
-        placement.confirm_home_now(self.affinity)
-        placement.accepted()  # simulated replicas never refuse a request
+        placement.accepted()  # a live simulated replica never refuses a request
         self.decisions[placement.decision.reason] += 1
         url = placement.url
         rid = f"r{next(self._rid)}"
@@ -301,6 +302,23 @@ class ClusterSimulator:
         self.models[url].submit(SimRequest(rid, prompt, output, keys), self.now)
         self._dirty.add(url)
         self._wake(url)
+
+    def _place(self, summary: RequestSummary, view: SessionView) -> Placement | None:
+        """The relay's loop (router/relay.py): a crashed replica refuses the connection, which
+        counts as a failure, and the request is placed again elsewhere, up to `max_attempts`."""
+        placement = self.engine.place(summary, view)
+        for attempt in range(self.config.max_attempts):
+            if placement is None:
+                return None
+            placement.confirm_home_now(self.affinity)
+            if placement.url in self.models:
+                return placement
+            self.registry.record_failure(placement.url)
+            if attempt + 1 < self.config.max_attempts:
+                placement = placement.retry()
+            else:
+                placement.done()
+        return None
 
     def _finish(self, rid: str, flight: _Flight, *, ok: bool, completion: int = 0, cached: int = 0) -> None:
         del self._flights[rid]
@@ -352,6 +370,8 @@ class ClusterSimulator:
             if model is not None:
                 self._publish(url, signals_of(model, self.now))
         self._dirty.clear()
+        for url in sorted(self._dead):  # the scrape of a crashed replica fails
+            self.registry.record_failure(url)
 
     def _publish(self, url: str, signals: ReplicaSignals) -> None:
         """A poll read `signals` off `url`: the router gets them now, or `signal-lag` later."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvrouter.cli import main
-from kvrouter.loadtest.cluster_sim import ClusterSimulator, SimConfig, signals_of
+from kvrouter.loadtest.cluster_sim import ClusterSimulator, ScaleEvent, SimConfig, signals_of
 from kvrouter.loadtest.profiles import load_profile, scale_profile
 from kvrouter.loadtest.replica_model import FirstToken, ReplicaModel, SimRequest
 from kvrouter.loadtest.segment_keys import SegmentKeyCache
@@ -173,3 +173,32 @@ def test_simulated_router_receives_each_poll_lag_seconds_late():
     assert all(got - sent == 2.0 for got, sent in received)
     # Nothing reaches the registry in the first two seconds.
     assert min(got for got, _ in received) == 2.0
+
+
+def test_a_crashed_replica_is_found_out_by_failed_polls_not_told():
+    sim = ClusterSimulator(SimConfig(replicas=4, sessions=16, duration_s=200.0, seed=3, page_tokens=512,
+                                     scale_events=(ScaleEvent(150.0, remove=("replica-0000",)),)),
+                           "coding-agent", WL)
+    health: list[tuple[float, bool]] = []
+    scale, poll = sim._scale, sim._poll
+
+    def on_scale(event):
+        scale(event)
+        view = sim.registry.view("replica-0000")
+        assert view is not None and view.healthy  # the crash itself is news to nobody
+
+    def on_poll():
+        poll()
+        if sim.now >= 150.0:
+            health.append((sim.now, sim.registry.view("replica-0000").healthy))
+
+    sim._scale, sim._poll = on_scale, on_poll
+    result = sim.run()
+    first_unhealthy = min(t for t, healthy in health if not healthy)
+    threshold = sim.config.failure_threshold
+    assert first_unhealthy <= 150.0 + (threshold - 1) * sim.config.poll_interval_s
+    assert all(not healthy for t, healthy in health if t >= first_unhealthy)
+    # Requests placed on it before then were refused and placed again: none was lost to it.
+    assert not [r for r in sim.records if r.replica == "replica-0000" and r.start_s >= 150.0]
+    assert all(r.error != "no replica" for r in sim.records)
+    assert result["decisions"].get("rehome", 0) > 0
