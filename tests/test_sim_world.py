@@ -202,3 +202,11 @@ def test_a_crashed_replica_is_found_out_by_failed_polls_not_told():
     assert not [r for r in sim.records if r.replica == "replica-0000" and r.start_s >= 150.0]
     assert all(r.error != "no replica" for r in sim.records)
     assert result["decisions"].get("rehome", 0) > 0
+
+
+def test_regenerating_the_simulation_doc_keeps_the_perturbed_worlds_section():
+    from kvrouter.loadtest.scenarios import kept_sections
+
+    doc = "# Fleet\n\nintro\n\n## Textbook\n\nold\n\n## Perturbed worlds\n\nby hand\n\n| a |\n\n## Performance\n\np\n"
+    assert kept_sections(doc) == [("Perturbed worlds", "by hand\n\n| a |")]
+    assert kept_sections("# Fleet\n\n## Textbook\n\nx\n") == []
