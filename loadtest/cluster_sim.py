@@ -10,7 +10,13 @@ coding-agent workload (closed loop: each turn waits for every request of the pre
 think time) or from a trace (see loadtest/traces.py).
 
 Event kinds, in order of priority at equal times: scale events, replica wake-ups (the model's next
-internal event), signal polls, housekeeping (fresh settling, rebalancing), load samples, requests.
+internal event), signal polls, delayed signal deliveries, housekeeping (session expiry, fresh
+settling, rebalancing), load samples, requests.
+
+The router side knows only what the live router knows: signals (and KV capacity) arrive only by
+polls; an ended session keeps its home until `session_ttl_s` of idleness (`SessionTable.expire`);
+a crashed replica is found out by failed polls and refused connects. The fleet's true speed, KV
+and signal lag may differ from the profile the policy assumes (`SimConfig.world`, world.py).
 """
 
 from __future__ import annotations
@@ -25,24 +31,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sglang_protocol.signals import ReplicaSignals
-from ..policies.domain import RequestSummary
+from ..policies.domain import RequestSummary, SessionView
 from ..policies.registry import build_policy
 from ..router.affinity import LocalAffinity
+from ..router.config import RoutingConfig, SignalsConfig, UpstreamConfig
 from ..router.engine import RoutingEngine
 from ..router.kv_index_shadow import ShadowKVIndex
 from ..router.placement import Placement
 from ..router.replicas import ReplicaRegistry
 from ..router.sessions import SessionTable
-from .profiles import Profile, load_profile
+from .profiles import Profile, load_profile, scale_profile
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .report import RequestRecord, summarize_requests
 from .segment_keys import SegmentKeyCache
 from .turn_request import TurnRequest
 from .workload import Session, make_session
 from .workload_config import WorkloadConfig
+from .world import SignalDelay, World
 
 ROUTE = "/v1/chat/completions"
-_SCALE, _WAKE, _POLL, _HOUSE, _SAMPLE, _ARRIVE, _REQUEST = range(7)
+_SCALE, _WAKE, _POLL, _SIGNAL, _HOUSE, _SAMPLE, _ARRIVE, _REQUEST = range(8)
+DEFAULT_SESSION_TTL_S: float = RoutingConfig.model_fields["session_ttl_s"].default
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,12 @@ class SimConfig:
     # cached-token counts move by less than one page (0.5% of a 100k prompt) - see docs/simulation.md.
     page_tokens: int | None = None
     policy_params: dict[str, Any] = field(default_factory=dict)
+    # The live router's defaults (routing.session_ttl_s, signals.*, upstream.max_attempts).
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    failure_threshold: int = SignalsConfig.model_fields["failure_threshold"].default
+    max_attempts: int = UpstreamConfig.model_fields["max_attempts"].default
+    # The fleet's true speed, KV capacity and signal lag (nominal: the profile as written).
+    world: World = World()
 
 
 @dataclass(slots=True)
@@ -135,22 +150,25 @@ class ClusterSimulator:
         self.config = config
         self.policy_name = policy
         self.workload = workload
-        self.profile = profile or load_profile(config.profile)
-        if config.page_tokens is not None and config.page_tokens != self.profile.page_size:
-            self.profile = self.profile.model_copy(update={"page_size": config.page_tokens})
+        nominal = profile or load_profile(config.profile)
+        if config.page_tokens is not None and config.page_tokens != nominal.page_size:
+            nominal = nominal.model_copy(update={"page_size": config.page_tokens})
+        # The router is configured for the nominal profile; the replicas run the true one.
+        self.nominal_profile = nominal
+        world = config.world
+        self.profile = scale_profile(nominal, speed=world.speed, capacity=world.capacity)
         self.stride = max(1, config.index_block_tokens // self.profile.page_size)
         self.rng = random.Random(f"sim:{config.seed}:{policy}")
-        self.registry = ReplicaRegistry()
-        self.table = SessionTable(ttl_s=3600.0)
+        self.registry = ReplicaRegistry(failure_threshold=config.failure_threshold)
+        self.table = SessionTable(ttl_s=config.session_ttl_s)
         self.affinity = LocalAffinity(self.table, clock=lambda: self.now)  # the live default store
-        self.index = ShadowKVIndex(
-            self.profile.page_size * self.stride, self.profile.max_total_num_tokens
-        )
+        self.index = ShadowKVIndex(self.profile.page_size * self.stride, nominal.max_total_num_tokens)
         self._dirty: set[str] = set()  # replicas whose state changed since the last poll
+        self.signal_delay = SignalDelay(world.signal_lag_s) if world.signal_lag_s > 0 else None
         self.engine = RoutingEngine(
             build_policy(policy, config.policy_params), self.registry, self.index, self.table,
             random.Random(f"policy:{config.seed}"),
-            default_capacity_tokens=self.profile.max_total_num_tokens,
+            default_capacity_tokens=nominal.max_total_num_tokens,
         )
         self.models: dict[str, ReplicaModel] = {}
         self.keys = SegmentKeyCache(self.profile.page_size, namespace="sim-model")
@@ -160,6 +178,8 @@ class ClusterSimulator:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._wake_at: dict[str, float] = {}
+        self._dead: set[str] = set()  # crashed replicas the router still lists
+        self._signal_due_at = -math.inf  # the last delivery event scheduled
         self._flights: dict[str, _Flight] = {}
         self._turns: dict[int, _Turn] = {}
         self._sessions: dict[int, Session] = {}
@@ -197,13 +217,14 @@ class ClusterSimulator:
     def _add_replica(self, url: str, *, fresh: bool) -> None:
         self.models[url] = ReplicaModel(self.profile)
         self.engine.add_replica(url, self.now, fresh=fresh)
-        self.index.set_capacity(url, self.profile.max_total_num_tokens)
-        self.registry.update_signals(url, signals_of(self.models[url], self.now))
+        self._dirty.add(url)  # the router hears of its signals (and capacity) at the next poll
 
     def _kill_replica(self, url: str) -> None:
+        """The replica crashes. Nothing tells the router: it stays in the registry until failed
+        polls and refused connects (`failure_threshold` in a row) mark it unhealthy."""
         if self.models.pop(url, None) is None:
             return
-        self.engine.remove_replica(url)
+        self._dead.add(url)
         self._wake_at.pop(url, None)
         for rid, flight in list(self._flights.items()):
             if flight.replica == url:  # the client sees a failed request; the session goes on
@@ -241,8 +262,8 @@ class ClusterSimulator:
         if not batch:
             session = self._sessions.pop(idx)
             self.keys.forget(session.session_id)
-            # The session is over: the router forgets it (live, its idle TTL does the same).
-            self.table.forget(session.session_id)
+            # The session is over, but nothing tells the router: its home stays in the session
+            # table until the idle TTL expires it (housekeeping), as in the live router.
             if self.arrivals is None and self.now < self.config.duration_s:
                 self._start_session(self.now)  # keep the session count: closed loop
             return
@@ -266,16 +287,14 @@ class ClusterSimulator:
         record = RequestRecord(session.session_id, ok=False, start_s=self.now, prompt_tokens=prompt,
                                turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
         view = self.affinity.acquire(session.session_id)
-        placement = self.engine.place(summary, view)
+        placement = self._place(summary, view)
         if placement is None:
             self.affinity.end(session.session_id)
             record.error = "no replica"
             self.records.append(record)
             self._reply(idx, req, None)
             return
-        placement.confirm_home_now(self.affinity)
-        placement.answered()  # simulated replicas are always reachable and never refuse a request
-        placement.accepted()
+        placement.accepted()  # a live simulated replica never refuses a request
         self.decisions[placement.decision.reason] += 1
         url = placement.url
         rid = f"r{next(self._rid)}"
@@ -285,6 +304,24 @@ class ClusterSimulator:
         self.models[url].submit(SimRequest(rid, prompt, output, keys), self.now)
         self._dirty.add(url)
         self._wake(url)
+
+    def _place(self, summary: RequestSummary, view: SessionView) -> Placement | None:
+        """The relay's loop (router/relay.py): a crashed replica refuses the connection, which
+        counts as a failure, and the request is placed again elsewhere, up to `max_attempts`."""
+        placement = self.engine.place(summary, view)
+        for attempt in range(self.config.max_attempts):
+            if placement is None:
+                return None
+            placement.confirm_home_now(self.affinity)
+            if placement.url in self.models:
+                placement.answered()
+                return placement
+            placement.unreachable("connect")  # a crashed replica refuses the connection
+            if attempt + 1 < self.config.max_attempts:
+                placement = placement.retry()
+            else:
+                placement.done()
+        return None
 
     def _finish(self, rid: str, flight: _Flight, *, ok: bool, completion: int = 0, cached: int = 0) -> None:
         del self._flights[rid]
@@ -334,10 +371,37 @@ class ClusterSimulator:
         for url in sorted(self._dirty):
             model = self.models.get(url)
             if model is not None:
-                self.registry.update_signals(url, signals_of(model, self.now))
+                self._publish(url, signals_of(model, self.now))
         self._dirty.clear()
+        for url in sorted(self._dead):  # the scrape of a crashed replica fails
+            self.registry.record_failure(url)
+
+    def _publish(self, url: str, signals: ReplicaSignals) -> None:
+        """A poll read `signals` off `url`: the router gets them now, or `signal-lag` later."""
+        delay = self.signal_delay
+        if delay is None:
+            self._receive(url, signals)
+            return
+        due = delay.publish(url, signals, self.now)
+        if due != self._signal_due_at:  # one delivery event per poll
+            self._signal_due_at = due
+            self._push(due, _SIGNAL)
+
+    def _deliver_signals(self) -> None:
+        assert self.signal_delay is not None
+        for url, signals in self.signal_delay.due(self.now):
+            self._receive(url, signals)
+
+    def _receive(self, url: str, signals: ReplicaSignals) -> None:
+        """What the live poller does with a scrape (router/app.py `_on_signals`)."""
+        if url not in self.models:
+            return  # killed after it published
+        self.registry.update_signals(url, signals)
+        if signals.max_total_num_tokens:
+            self.index.set_capacity(url, signals.max_total_num_tokens)
 
     def _housekeeping(self) -> None:
+        self.table.expire(self.now)  # idle sessions past their TTL lose their home
         self.engine.settle_fresh()
         if self.now - self._last_rebalance >= self.config.rebalance_interval_s:
             self._last_rebalance = self.now
@@ -358,7 +422,8 @@ class ClusterSimulator:
         self.load_samples.append(running)
         ordered = sorted(running)
         mean = sum(running) / len(running)
-        sessions = sorted(self.table.homed_sessions.get(url, 0) for url in self.models)
+        live = self.live_sessions_per_replica()
+        sessions = sorted(live.get(url, 0) for url in self.models)
         n = len(sessions)
         self.session_timeline.append({
             "t_s": round(self.now, 3), "mean": round(sum(sessions) / n, 3), "max": sessions[-1],
@@ -371,6 +436,16 @@ class ClusterSimulator:
             "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
             "idle_fraction": round(sum(1 for x in running if x == 0) / len(running), 4),
         })
+
+    def live_sessions_per_replica(self) -> Counter[str]:
+        """Homes of the sessions still running (a measurement: the router cannot tell these from
+        ended sessions whose home it still keeps)."""
+        homes: Counter[str] = Counter()
+        for session in self._sessions.values():
+            entry = self.table.entry(session.session_id)
+            if entry is not None and entry.home is not None:
+                homes[entry.home] += 1
+        return homes
 
     # -- main loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -407,6 +482,8 @@ class ClusterSimulator:
                 self._poll()
                 if at < cfg.duration_s or self._flights:
                     self._push(at + cfg.poll_interval_s, _POLL)
+            elif kind == _SIGNAL:
+                self._deliver_signals()
             elif kind == _HOUSE:
                 self._housekeeping()
                 if at < cfg.duration_s:
@@ -429,9 +506,9 @@ class ClusterSimulator:
         measured = [r for r in self.records if cfg.warmup_s <= r.start_s < cfg.duration_s]
         out = summarize_requests(measured, max(1, len(self.models)), cfg.duration_s - cfg.warmup_s,
                                  self.load_samples)
-        out["homed_sessions_per_replica"] = [
-            self.table.homed_sessions.get(url, 0) for url in sorted(self.models)
-        ]
+        live = self.live_sessions_per_replica()
+        out["homed_sessions_per_replica"] = [live.get(url, 0) for url in sorted(self.models)]
+        out["router_sessions"] = len(self.table)  # live and ended sessions the router still holds
         out["decisions"] = dict(sorted(self.decisions.items()))
         out["sessions_rebalanced"] = self.rebalanced
         out["load_timeline"] = self.load_timeline

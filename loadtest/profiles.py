@@ -121,3 +121,29 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> Profile:
 
 def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def scale_profile(profile: Profile, *, speed: float = 1.0, capacity: float = 1.0) -> Profile:
+    """`profile` with every compute and memory-traffic time divided by `speed` (FLOP/s, HBM and
+    host-link bandwidth up, fixed overheads down: a prefill, a decode step and a load-back all
+    take 1/speed as long) and the device KV pool scaled by `capacity` (rounded down to whole
+    pages). The profile's own constants are left as loaded."""
+    if speed <= 0 or capacity <= 0:
+        raise ValueError("speed and capacity must be > 0")
+    if speed == 1.0 and capacity == 1.0:
+        return profile
+    pages = int(profile.max_total_num_tokens * capacity) // profile.page_size
+    tokens = max(pages * profile.page_size, profile.page_size)
+    return profile.model_copy(update={
+        "name": f"{profile.name}*speed={speed:g},capacity={capacity:g}",
+        "flops_eff_per_gpu": profile.flops_eff_per_gpu * speed,
+        "attn_flops_eff_per_gpu": (None if profile.attn_flops_eff_per_gpu is None
+                                   else profile.attn_flops_eff_per_gpu * speed),
+        "hbm_bw_per_gpu": profile.hbm_bw_per_gpu * speed,
+        "host_load_bw_per_gpu": profile.host_load_bw_per_gpu * speed,
+        "t_prefill_overhead": profile.t_prefill_overhead / speed,
+        "t_decode_overhead": profile.t_decode_overhead / speed,
+        "t_draft": profile.t_draft / speed,
+        "t_layer": None if profile.t_layer is None else profile.t_layer / speed,
+        "max_total_num_tokens": tokens,
+    })

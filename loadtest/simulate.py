@@ -6,11 +6,17 @@
 Scale events: `T:+K` adds K fresh replicas at T seconds; `T:-K` kills the K lowest-numbered
 replicas; `T:-replica-0003,replica-0007` kills those. Output: a table on stdout (and events/s, a
 wall-clock figure kept out of the JSON so the same seed gives byte-identical JSON).
+
+Perturbed worlds: `--world-perturb SPEC` (repeatable) runs every policy again in a fleet whose true
+behaviour differs from the profile the policy's constants assume (loadtest/world.py): e.g.
+`--world-perturb nominal --world-perturb speed=2 --world-perturb capacity=0.7,signal-lag=2`.
+Results are then keyed `<policy> @ <world>`, with the same seeded traffic in every world.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -20,6 +26,7 @@ from typing import Any
 from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig, replica_name
 from .report import build_report
 from .workload_config import load_workload
+from .world import World, WorldSpecError, parse_world
 
 TABLE_COLUMNS = (
     ("requests_ok", "ok", "{:.0f}"),
@@ -66,6 +73,30 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def sessions_max_over_mean(result: dict[str, Any]) -> float | None:
+    """Sessions per replica, max/mean, averaged over the run's samples."""
+    ratios = [s["max"] / s["mean"] for s in result.get("session_timeline", ()) if s["mean"] > 0]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def world_key(policy: str, world: World) -> str:
+    return f"{policy} @ {world.spec}"
+
+
+def world_table(results: dict[str, dict[str, Any]], worlds: list[World], policies: list[str]) -> str:
+    """Side by side: one row per (world, policy), as keyed by `world_key`."""
+    rows = ["| world | policy | CHR | TTFT p50 (s) | TTFT p95 (s) | sessions/replica max/mean | ok |",
+            "|---|---|---|---|---|---|---|"]
+    for world in worlds:
+        for policy in policies:
+            r = results[world_key(policy, world)]
+            cells = [r.get("cache_hit_rate"), r.get("ttft_p50_s"), r.get("ttft_p95_s"),
+                     sessions_max_over_mean(r)]
+            text = ["-" if c is None else f"{c:.3f}" for c in cells]
+            rows.append(f"| {world.spec} | {policy} | " + " | ".join(text) + f" | {r['requests_ok']} |")
+    return "\n".join(rows)
+
+
 def _round(value: Any) -> Any:
     """Floats rounded to 6 significant digits: stable JSON, honest precision."""
     if isinstance(value, float):
@@ -78,6 +109,11 @@ def _round(value: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        worlds = [parse_world(spec) for spec in args.world_perturb or ()]
+    except WorldSpecError as err:
+        print(f"kvrouter simulate: --world-perturb: {err}", file=sys.stderr)
+        return 2
     workload = load_workload(args.workload)
     scale = tuple(parse_scale(s, args.replicas) for s in args.scale or ())
     config = SimConfig(
@@ -91,15 +127,18 @@ def run(args: argparse.Namespace) -> int:
 
         # Kimi K2.6 serves 256K of context; longer trace requests are dropped (their time kept).
         arrivals_for = lambda: trace_sessions(args.trace, max_context_tokens=262_144)  # noqa: E731
+    policies = args.policy.split(",")
     results: dict[str, dict[str, Any]] = {}
-    for policy in args.policy.split(","):
-        started = time.perf_counter()
-        sim = ClusterSimulator(config, policy, workload,
-                               arrivals=arrivals_for() if arrivals_for else None)
-        results[policy] = _round(sim.run())
-        wall = time.perf_counter() - started
-        print(f"{policy}: {sim.events} events in {wall:.1f} s ({sim.events / wall:,.0f} events/s)",
-              file=sys.stderr)
+    for world in worlds or [World()]:
+        for policy in policies:
+            started = time.perf_counter()
+            sim = ClusterSimulator(dataclasses.replace(config, world=world), policy, workload,
+                                   arrivals=arrivals_for() if arrivals_for else None)
+            name = world_key(policy, world) if worlds else policy
+            results[name] = _round(sim.run())
+            wall = time.perf_counter() - started
+            print(f"{name}: {sim.events} events in {wall:.1f} s ({sim.events / wall:,.0f} events/s)",
+                  file=sys.stderr)
     workload_info = {
         "name": workload.name, "source": str(args.trace or args.workload), "seed": args.seed,
         "replicas": args.replicas, "profile": args.profile, "duration_s": args.duration,
@@ -107,7 +146,11 @@ def run(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup, "warm_start": not args.cold_start, "page_tokens": args.page_tokens,
         "scale": [e.__dict__ | {"remove": list(e.remove)} for e in scale],
     }
-    print(markdown_table(results))
+    if worlds:
+        workload_info["worlds"] = [dataclasses.asdict(w) for w in worlds]
+        print(world_table(results, worlds, policies))
+    else:
+        print(markdown_table(results))
     if args.json:
         report = build_report(workload_info, results)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -133,5 +176,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--page-tokens", type=int,
                    help="simulation resolution: model page size in tokens (default: the profile's; "
                         "512 halves the run time of large fleets, see docs/simulation.md)")
+    p.add_argument("--world-perturb", action="append", metavar="SPEC",
+                   help="run in a world unlike the policy's model; repeat for several worlds, each "
+                        "with every policy on the same seeded traffic. SPEC: comma-separated "
+                        "speed=F (prefill/decode F x the profile's speed), capacity=F (true KV pool "
+                        "F x the profile's; replicas report it, the policy's default is unchanged), "
+                        "signal-lag=S (polled signals reach the router S s late), or nominal. "
+                        "E.g. --world-perturb speed=0.5 --world-perturb capacity=0.7,signal-lag=2")
     p.add_argument("--json", help="write the schema-1 JSON here")
     p.set_defaults(func=run)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from kvrouter.loadtest.compare import free_port
+from kvrouter.loadtest.process_group import free_port
 
 from .redis_server import server_binary
 
