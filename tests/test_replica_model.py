@@ -422,6 +422,20 @@ def test_decode_pressure_retracts_and_every_request_still_finishes_in_full():
     assert model.cache.locked_tokens == 0 and model._own_pages == 0
 
 
+def test_a_retracted_request_goes_to_the_back_with_its_prompt_still_cached():
+    model = ReplicaModel(TINY.model_copy(update={"max_total_num_tokens": 4096}))
+    for i in range(8):
+        model.submit(request(f"r{i}", tokens(400 + i, 200), 900 + 37 * i)[0], 0.0)
+    while not model.num_retracted_reqs_total:
+        model.advance(model.next_event_time())
+    (back,) = [r for r in model._waiting if r.retractions]
+    assert back is model._waiting[-1]  # queued behind the requests that never ran
+    prompt_pages = back.sim.page_keys[: 200 // PS]
+    assert all(k in model.cache for k in prompt_pages)  # unlocked, not freed
+    assert model.cache.evictable_tokens >= len(prompt_pages) * PS
+    # (here the queued prefills evict it, LRU, before it is admitted again: SGLang would too)
+
+
 def test_new_token_ratio_rises_on_retraction_decays_and_resets_when_idle():
     model, _, _, ratios = pressure_run()
     p = model.profile
