@@ -29,8 +29,14 @@ class Profile(BaseModel):
     host_total_num_tokens: int = Field(default=0, ge=0)  # HiCache host pool; 0 = off
     max_running_requests: int = Field(gt=0)
     chunked_prefill_size: int = Field(gt=0)
+    # --- admission and retraction (SGLang environ.py / server_args defaults) ---
+    # initial new_token_ratio: SGLANG_INIT_NEW_TOKEN_RATIO x schedule_conservativeness (1.0)
     new_token_ratio: float = Field(default=0.7, gt=0, le=1)
-    clip_max_new_tokens: int = Field(default=4096, gt=0)
+    min_new_token_ratio_factor: float = Field(default=0.14, gt=0, le=1)  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+    new_token_ratio_decay_steps: int = Field(default=600, gt=0)  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+    retract_decode_steps: int = Field(default=20, ge=0)  # SGLANG_RETRACT_DECODE_STEPS
+    clip_max_new_tokens: int = Field(default=4096, gt=0)  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+    context_len: int = Field(default=262144, gt=1)  # bounds max_new_tokens when a request gives none
 
     # --- model ---
     n_active_params: float = Field(gt=0)

@@ -8,10 +8,13 @@ submitted at the same instant share one prefill batch, as SGLang batches what it
 Scheduler (after `managers/scheduler.py` and `schedule_policy.PrefillAdder`, default flags):
 - FCFS waiting queue. At each forward boundary a prefill batch is built if anything can be
   admitted; it runs instead of decode (no mixed chunks), so running decodes pause meanwhile.
-- Admission of the queue head needs a free slot (< max_running_requests) and
-  uncached + host-hit + min(output, clip) < free + evictable - reserved, where reserved is what
-  admitted requests still need: unprefilled tokens + min(remaining output, clip) x new_token_ratio.
-  The head blocks the queue when it does not fit (no skipping).
+- Admission (PrefillAdder.add_one_req) never looks at the true output length: the queue head
+  needs a free slot (< max_running_requests) and
+  uncached + host-hit + min(max_new_tokens - generated, clip) + page < free + evictable - offset,
+  where offset = new_token_ratio x sum over decoding requests of min(max_new_tokens - generated,
+  clip), plus what this batch already took (paged extend + unscaled estimate + a page each).
+  The head blocks the queue when it does not fit (no skipping). The decoding sum is a running
+  total kept at segment ends, so a check is O(1). max_new_tokens and new_token_ratio: admission.py.
 - A prefill batch holds at most chunked_prefill_size new tokens; a longer prompt is cut to a
   page-aligned chunk and continues first in the next batch (one chunked request at a time).
   Each chunk's full pages are inserted into the cache and stay locked (cache_unfinished_req), so a
@@ -21,8 +24,10 @@ Scheduler (after `managers/scheduler.py` and `schedule_policy.PrefillAdder`, def
   (whole tokens: base + floor(k x accept)). Finish inserts the full pages of
   prompt + output - 1 tokens (the last sampled token has no KV yet), then unlocks.
 - KV growth is allocated at segment ends. If a decode step would not fit, the request with the
-  fewest output tokens (then the longest prompt) is retracted to the queue front, its private
-  pages freed, and re-prefilled later from prompt + output so far (SGLang's retract_decode).
+  fewest output tokens (then the longest prompt) is retracted (at least one, then until the rest
+  fit the next step): its private pages are freed, its cached prefix unlocked (it stays in the
+  tree until evicted; retract_decode_steps x remaining tokens are made free at once), and it
+  joins the back of the queue, to be re-prefilled from prompt + output so far.
 
 Decode runs as analytic segments: a run of steps with a constant batch, ending at the next finish,
 after MAX_SEGMENT_STEPS steps, or where KV would run out. A step's time is fixed for the segment from
@@ -41,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import timing
+from .admission import NewTokenRatio, resolve_max_new_tokens
 from .profiles import Profile
 from .radix_cache import KVSink, RadixCache
 
@@ -56,6 +62,10 @@ class SimRequest:
     output_len: int  # tokens this request will generate (the driver decides, <= max_new_tokens)
     page_keys: Sequence[int]  # chained keys of the full pages of prompt+output
     token_ids: Sequence[int] | None = None  # only forwarded to the kv_sink
+    # the request's max_new_tokens as the client sent it; None = none given (SGLang then allows
+    # up to the context length). The scheduler's admission estimate comes from this, never
+    # from output_len.
+    max_new_tokens: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +86,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    retractions: int = 0  # times the request was retracted (meta_info total_retractions)
 
 
 ModelEvent = FirstToken | Finished
@@ -101,10 +112,13 @@ class _Req:
     __slots__ = (
         "sim", "arrival", "state", "ctx", "filled", "gen", "base", "dsteps", "need",
         "tree_pages", "own_pages", "admitted", "cached_dev", "cached_host", "first_sent",
+        "max_new", "retractions",
     )
 
-    def __init__(self, sim: SimRequest, arrival: float) -> None:
+    def __init__(self, sim: SimRequest, arrival: float, max_new: int) -> None:
         self.sim = sim
+        self.max_new = max_new  # resolved max_new_tokens (the scheduler's only output bound)
+        self.retractions = 0
         self.arrival = arrival
         self.state = _WAITING
         self.ctx = sim.prompt_len  # tokens to (re)prefill
@@ -147,6 +161,10 @@ class ReplicaModel:
         self._seg_start = 0.0
         self._seg_dt = 0.0
         self._seg_steps = 0
+        self._seg_retracted = False  # the segment's first step retracted (no ratio decay)
+        # admission estimate: the ratio, and sum of _estimate(r) over decoding requests
+        self._ratio = NewTokenRatio(profile)
+        self._est_sum = 0
         # gauges and counters (names follow SGLang's /metrics)
         self.cache_hit_rate = 0.0
         self.gen_throughput = 0.0
@@ -158,6 +176,9 @@ class ReplicaModel:
         self.cached_tokens_host_total = 0
         self.load_back_tokens_total = 0
         self.num_retracted_reqs_total = 0
+        self.num_retracted_reqs = 0  # retracted by the last retraction (SGLang gauge)
+        self.num_retracted_input_tokens_total = 0
+        self.num_retracted_output_tokens_total = 0
 
     # ---- public API ----------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
@@ -167,9 +188,10 @@ class ReplicaModel:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if req.prompt_len < 1 or req.output_len < 1:
             raise ValueError("prompt_len and output_len must be >= 1")
-        if req.prompt_len + min(req.output_len, p.clip_max_new_tokens) >= p.max_total_num_tokens:
+        max_new = resolve_max_new_tokens(p, req.prompt_len, req.max_new_tokens, req.output_len)
+        if req.prompt_len + min(max_new, p.clip_max_new_tokens) + self._ps >= p.max_total_num_tokens:
             raise ValueError(f"request {req.rid!r} can never fit in {p.max_total_num_tokens} KV tokens")
-        r = _Req(req, self._now)
+        r = _Req(req, self._now, max_new)
         self._reqs[req.rid] = r
         self._waiting.append(r)
         if not self._op:
@@ -192,6 +214,7 @@ class ReplicaModel:
             was_decoding = r.state == _DECODE
             self._release(r)
             if was_decoding:
+                self._est_sum -= self._estimate(r)
                 self._decoding.remove(r)
             if self._op == _OP_DECODE:
                 self._cut_segment(self._now)  # the batch shrinks from the next step
@@ -247,6 +270,10 @@ class ReplicaModel:
         )
 
     @property
+    def new_token_ratio(self) -> float:
+        return self._ratio.current
+
+    @property
     def evicted_tokens_total(self) -> int:
         return self.cache.evicted_pages_total * self._ps
 
@@ -274,6 +301,14 @@ class ReplicaModel:
             return
         if self._decoding:
             self._start_segment(t)
+        elif not self._active and not self._waiting:
+            self._ratio.reset()  # self_check_during_idle: a fully idle scheduler starts over
+
+    def _estimate(self, r: _Req) -> int:
+        """Tokens the scheduler still expects a request to generate: min(max_new - gen, clip)."""
+        left = r.max_new - r.gen
+        clip = self.profile.clip_max_new_tokens
+        return clip if left > clip else (left if left > 0 else 0)
 
     # ---- memory --------------------------------------------------------------------------------
     def _free_pages(self) -> int:
@@ -298,21 +333,16 @@ class ReplicaModel:
         r.tree_pages = r.own_pages = 0
         del self._active[r.sim.rid]
 
-    def _reserved_tokens(self) -> float:
-        p = self.profile
-        clip, ratio = p.clip_max_new_tokens, p.new_token_ratio
-        return sum(
-            (r.ctx - r.filled) + min(r.sim.output_len - r.gen, clip) * ratio
-            for r in self._active.values()
-        )
-
     # ---- prefill -------------------------------------------------------------------------------
     def _start_prefill(self, t: float) -> bool:
         p = self.profile
         ps = self._ps
         cache = self.cache
         budget = p.chunked_prefill_size
+        clip = p.clip_max_new_tokens
         items: list[tuple[_Req, int]] = []
+        # PrefillAdder's offset: running requests' scaled estimate, then what this batch takes
+        offset = self._ratio.current * self._est_sum
         r = self._chunked
         if r is not None:
             n = r.ctx - r.filled
@@ -320,8 +350,10 @@ class ReplicaModel:
                 n = budget // ps * ps
             else:
                 self._chunked = None
+                offset += min(r.max_new, clip)  # add_chunked_req: the last chunk reserves output
             items.append((r, n))
             budget -= n
+            offset += -(-n // ps) * ps + ps
         hits = new = load_tokens = 0
         while (
             self._waiting
@@ -336,15 +368,17 @@ class ReplicaModel:
             matched = (dev + host) * ps
             extend = r.ctx - matched
             room = (self._free_pages() + cache.dev_pages - cache.locked_pages) * ps
-            need = extend + host * ps + min(r.sim.output_len - r.gen, p.clip_max_new_tokens)
-            if need >= room - self._reserved_tokens():
+            need = extend + host * ps + self._estimate(r) + ps
+            if need >= room - offset:
                 cache.unlock(keys, 0, dev)
                 break
             if extend > budget:
                 n = budget // ps * ps
                 self._chunked = r
+                offset += n + ps  # a truncated chunk reserves no output yet
             else:
                 n = extend
+                offset += -(-n // ps) * ps + min(r.max_new, clip) + ps
             self._waiting.popleft()
             if host:  # HiCache load-back: host pages come back to the device before the forward
                 self._ensure_room(host, keys[dev : dev + host])
@@ -409,12 +443,14 @@ class ReplicaModel:
                 r.base, r.dsteps = r.gen, 0
                 r.need = timing.steps_to_reach(self.profile, r.gen, r.sim.output_len)
                 self._decoding.append(r)
+                self._est_sum += self._estimate(r)
         self._prefill_items = []
 
     # ---- decode --------------------------------------------------------------------------------
     def _start_segment(self, t: float) -> None:
         p = self.profile
         ps = self._ps
+        retracted = 0
         while True:
             batch = self._decoding
             b = len(batch)
@@ -422,7 +458,16 @@ class ReplicaModel:
             kv_steps = math.floor(room / (b * p.spec_accept_length))
             if kv_steps >= 1 or b == 1:
                 break  # (a lone request over capacity overcommits: SGLang would fail it)
+            # retract_decode: fewest output tokens first, then the longest prompt
             self._retract(min(batch, key=lambda r: (r.gen, -r.sim.prompt_len)))
+            retracted += 1
+        self._seg_retracted = retracted > 0
+        if retracted:
+            batch = self._decoding
+            self.num_retracted_reqs = retracted
+            self._ratio.after_retraction(
+                sum(r.gen for r in batch), sum(r.max_new for r in batch), len(batch)
+            )
         steps = min(min(r.need - r.dsteps for r in batch), MAX_SEGMENT_STEPS)
         steps = max(1, min(steps, kv_steps))
         context = sum(r.sim.prompt_len + r.gen for r in batch) / b
@@ -444,15 +489,23 @@ class ReplicaModel:
     def _complete_segment(self, t: float) -> None:
         p = self.profile
         k = self._seg_steps
+        # every decode step that needed no retraction decays the ratio (update_running_batch)
+        self._ratio.decay(k - 1 if self._seg_retracted else k)
+        self._seg_retracted = False
         finished = []
+        est_sum = self._est_sum
         for r in self._seg_batch:
             if r.state != _DECODE:
                 continue
+            est_sum -= self._estimate(r)
             r.dsteps += k
             r.gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps))
             self._grow(r, r.sim.prompt_len + r.gen)
             if r.dsteps >= r.need:
                 finished.append(r)
+            else:
+                est_sum += self._estimate(r)
+        self._est_sum = est_sum
         for r in finished:
             self._finish(r, t)
         if finished:
@@ -460,13 +513,20 @@ class ReplicaModel:
         self._seg_batch = []
 
     def _retract(self, r: _Req) -> None:
+        self._est_sum -= self._estimate(r)
         self._release(r)
         self._decoding.remove(r)
         r.state = _WAITING
         r.ctx = r.sim.prompt_len + r.gen  # re-prefill prompt + output so far
         r.filled = 0
-        self._waiting.appendleft(r)
+        r.retractions += 1
+        self._waiting.append(r)  # _add_request_to_queue appends: the back of the queue
         self.num_retracted_reqs_total += 1
+        self.num_retracted_input_tokens_total += r.sim.prompt_len
+        self.num_retracted_output_tokens_total += r.gen
+        # release_req: free retract_decode_steps tokens per remaining request at once
+        want = len(self._decoding) * self.profile.retract_decode_steps
+        self._ensure_room(-(-want // self._ps))
 
     def _finish(self, r: _Req, t: float) -> None:
         sim = r.sim
@@ -486,5 +546,8 @@ class ReplicaModel:
         self.cached_tokens_device_total += r.cached_dev
         self.cached_tokens_host_total += r.cached_host
         self._pending.append(
-            Finished(sim.rid, t, sim.prompt_len, sim.output_len, r.cached_dev + r.cached_host)
+            Finished(
+                sim.rid, t, sim.prompt_len, sim.output_len, r.cached_dev + r.cached_host,
+                r.retractions,
+            )
         )

@@ -314,7 +314,7 @@ class SimReplica:
         now = self.now()
         try:
             self.model.submit(
-                SimRequest(rid, prompt_len, out_len, keys, all_tokens), now
+                SimRequest(rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap), now
             )
         except ValueError as exc:
             raise SimError(str(exc)) from exc

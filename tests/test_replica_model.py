@@ -17,10 +17,15 @@ def tokens(seed, n):
     return [rng.randrange(1 << 17) for _ in range(n)]
 
 
-def request(rid, prompt, out, ns="m", seed=None):
-    """prompt + deterministic output tokens, keyed as a driver would."""
+_SAME = object()
+
+
+def request(rid, prompt, out, ns="m", seed=None, max_new=_SAME):
+    """prompt + deterministic output tokens, keyed as a driver would. Like the load driver, the
+    request asks for max_new_tokens = out unless told otherwise (None: asks for none)."""
     full = list(prompt) + tokens(seed if seed is not None else hash(rid) & 0xFFFF, out)
-    return SimRequest(rid, len(prompt), out, page_keys(full, PS, ns), full), full
+    max_new = out if max_new is _SAME else max_new
+    return SimRequest(rid, len(prompt), out, page_keys(full, PS, ns), full, max_new), full
 
 
 def drain(model, until=None):
@@ -303,7 +308,8 @@ def test_analytic_segments_match_step_by_step_reference(name):
     model = ReplicaModel(profile)
     for i, (n, out) in enumerate(zip(prompts, outputs)):
         full = tokens(200 + i, n + out)
-        model.submit(SimRequest(f"r{i}", n, out, page_keys(full, profile.page_size, "m")), 0.0)
+        keys = page_keys(full, profile.page_size, "m")
+        model.submit(SimRequest(f"r{i}", n, out, keys, max_new_tokens=out), 0.0)
     fin = by_rid(drain(model), Finished)
     ref = reference_finish_times(profile, prompts, outputs)
     for i in range(len(prompts)):
@@ -345,6 +351,102 @@ def test_kv_growth_under_pressure_retracts_but_everything_finishes():
     assert {rid: e.completion_tokens for rid, e in fin.items()} == outs
     assert len(by_rid(events, FirstToken)) == 6  # one first token each, even if retracted
     assert model.cache.locked_tokens == 0 and model._own_pages == 0
+
+
+# ---- admission and retraction as SGLang's scheduler does them ------------------------------------
+def test_admission_reserves_the_max_new_tokens_estimate_not_the_true_output():
+    # A decodes a short answer but asked for no max_new_tokens: the scheduler must assume up to
+    # clip_max_new_tokens (x new_token_ratio) for it, and B's own clip, so B waits for A.
+    model = ReplicaModel(TINY)  # 20,480 KV tokens
+    model.submit(request("a", tokens(500, 1000), 300, max_new=None)[0], 0.0)
+    assert "a" in by_rid(drain(model, until=0.2), FirstToken)  # a is decoding
+    t = 0.2
+    model.submit(request("b", tokens(501, 14_000), 10, max_new=None)[0], t)
+    events = drain(model, until=t + 0.05)
+    assert model.load(t + 0.05).num_queue_reqs == 1  # the true outputs (300 + 10) would fit
+    events += drain(model)
+    first_b, fin_a = by_rid(events, FirstToken)["b"], by_rid(events, Finished)["a"]
+    assert first_b.time > fin_a.time and first_b.queue_time > 0
+
+
+def test_a_max_new_tokens_near_the_true_output_admits_at_once():
+    model = ReplicaModel(TINY)
+    model.submit(request("a", tokens(500, 1000), 300)[0], 0.0)
+    assert "a" in by_rid(drain(model, until=0.2), FirstToken)  # a is decoding
+    t = 0.2
+    model.submit(request("b", tokens(501, 14_000), 10)[0], t)
+    drain(model, until=t + 0.05)
+    assert model.load(t + 0.05).num_queue_reqs == 0
+
+
+def test_requests_without_max_new_tokens_reserve_up_to_the_context():
+    model = ReplicaModel(TINY)
+    # prompt + clip_max_new_tokens (4,096) + a page cannot fit 20,480: never admissible
+    with pytest.raises(ValueError):
+        model.submit(request("long", tokens(502, 16_500), 10, max_new=None)[0], 0.0)
+    model.submit(request("ok", tokens(502, 16_500), 10, max_new=100)[0], 0.0)
+    # a short context bounds the estimate below the clip: min(ctx-1, pool-1) - prompt - 1
+    short = ReplicaModel(TINY.model_copy(update={"context_len": 17_000}))
+    short.submit(request("fits", tokens(503, 16_500), 10, max_new=None)[0], 0.0)
+    assert by_rid(drain(short), Finished)["fits"].completion_tokens == 10
+
+
+def pressure_run(n=8, prompt=200):
+    """n requests on a 4,096-token pool: the decaying ratio over-admits, decode runs out of KV."""
+    model = ReplicaModel(TINY.model_copy(update={"max_total_num_tokens": 4096}))
+    outs = {}
+    for i in range(n):
+        outs[f"r{i}"] = 900 + 37 * i
+        model.submit(request(f"r{i}", tokens(400 + i, prompt), outs[f"r{i}"])[0], 0.0)
+    events, ratios = [], []
+    while (t := model.next_event_time()) is not None:
+        events += model.advance(t)
+        ratios.append((model.num_retracted_reqs_total, model.new_token_ratio))
+        assert free_pages(model) >= 0
+        model.cache.check_invariants()
+    return model, outs, events, ratios
+
+
+def test_decode_pressure_retracts_and_every_request_still_finishes_in_full():
+    model, outs, events, _ = pressure_run()
+    assert model.num_retracted_reqs_total >= 1
+    fin = by_rid(events, Finished)
+    assert {rid: e.completion_tokens for rid, e in fin.items()} == outs  # nothing lost
+    assert sum(e.retractions for e in fin.values()) == model.num_retracted_reqs_total
+    assert len(by_rid(events, FirstToken)) == len(outs)  # one first token each
+    # the retracted one went to the back of the queue: it finishes last but one or later
+    retracted = [rid for rid, e in fin.items() if e.retractions]
+    order = [e.rid for e in events if isinstance(e, Finished)]
+    assert all(order.index(rid) >= len(order) - 1 - len(retracted) for rid in retracted)
+    assert model.num_retracted_output_tokens_total > 0
+    assert model.cache.locked_tokens == 0 and model._own_pages == 0
+
+
+def test_a_retracted_request_goes_to_the_back_with_its_prompt_still_cached():
+    model = ReplicaModel(TINY.model_copy(update={"max_total_num_tokens": 4096}))
+    for i in range(8):
+        model.submit(request(f"r{i}", tokens(400 + i, 200), 900 + 37 * i)[0], 0.0)
+    while not model.num_retracted_reqs_total:
+        model.advance(model.next_event_time())
+    (back,) = [r for r in model._waiting if r.retractions]
+    assert back is model._waiting[-1]  # queued behind the requests that never ran
+    prompt_pages = back.sim.page_keys[: 200 // PS]
+    assert all(k in model.cache for k in prompt_pages)  # unlocked, not freed
+    assert model.cache.evictable_tokens >= len(prompt_pages) * PS
+    # (here the queued prefills evict it, LRU, before it is admitted again: SGLang would too)
+
+
+def test_new_token_ratio_rises_on_retraction_decays_and_resets_when_idle():
+    model, _, _, ratios = pressure_run()
+    p = model.profile
+    floor = p.new_token_ratio * p.min_new_token_ratio_factor
+    first = next(i for i, (n, _) in enumerate(ratios) if n)
+    before, after = ratios[first - 1][1], ratios[first][1]
+    assert before < p.new_token_ratio  # decayed while decoding without trouble
+    assert after > before  # the retraction re-estimated it upwards
+    later = [r for n, r in ratios[first + 1 :]]
+    assert min(later[:-1]) == pytest.approx(floor)  # decays back down to the floor
+    assert model.new_token_ratio == p.new_token_ratio  # fully idle: reset to init
 
 
 def test_requests_that_can_never_fit_are_rejected():
@@ -430,7 +532,10 @@ def test_random_churn_keeps_the_books_balanced():
         t += rng.expovariate(20.0)
         events += model.advance(t)
         s = rng.randrange(10)
-        req, full = request(f"q{i}", history[s], rng.randint(1, 300))
+        max_new = rng.choice([None, 300, 1000])  # with and without a max_new_tokens
+        if max_new is None and len(history[s]) + 4096 + PS >= 6144:
+            max_new = 1000  # (without one, the clip alone would never fit this pool)
+        req, full = request(f"q{i}", history[s], rng.randint(1, 300), max_new=max_new)
         model.submit(req, t)
         submitted += 1
         history[s] = (full + tokens(rng.random(), rng.randint(10, 300)))[-2500:]
@@ -440,9 +545,12 @@ def test_random_churn_keeps_the_books_balanced():
                 aborted.add(victim)
         model.cache.check_invariants()
         assert free_pages(model) >= 0
+        # the running estimate the admission check reads stays equal to its definition
+        assert model._est_sum == sum(model._estimate(r) for r in model._decoding)
     events += drain(model)
     finished = by_rid(events, Finished)
     assert len(finished) + len(aborted) == submitted and not set(finished) & aborted
     assert model.cache.locked_tokens == 0 and model._own_pages == 0
     assert model.num_requests_total == len(finished)
     assert model.cached_tokens_host_total > 0 and model.evicted_tokens_total > 0
+    assert model._est_sum == 0

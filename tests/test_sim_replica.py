@@ -520,3 +520,14 @@ def test_cli_sim_replica_flags():
     assert not args.enable_cache_report and args.max_running_requests == 4 and args.page_size == 32
     sim = SimReplica("tiny", max_running_requests=4, page_size=32, served_model_name="kimi")
     assert sim.profile.max_running_requests == 4 and sim.profile.page_size == 32
+
+
+def test_the_scheduler_estimate_comes_from_the_clients_max_new_tokens():
+    """The model admits on max_new_tokens, never on the output it was told to produce: the
+    client's value when given, else what the context leaves (SGLang's default)."""
+    sim = SimReplica("tiny", context_length=8192, clock=lambda: 0.0)
+    prompt = list(range(1, 101))
+    given = sim.submit(input_ids=prompt, max_new_tokens=50)
+    missing = sim.submit(input_ids=prompt, max_new_tokens=None)
+    assert sim.model._reqs[given.rid].max_new == 50
+    assert sim.model._reqs[missing.rid].max_new == 8192 - len(prompt)
