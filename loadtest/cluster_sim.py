@@ -301,7 +301,9 @@ class ClusterSimulator:
         record.replica = url
         self._flights[rid] = _Flight(req, idx, url, placement, self.now, record)
         output = max(1, req.expected_output_tokens)
-        self.models[url].submit(SimRequest(rid, prompt, output, keys), self.now)
+        # The client's max_tokens, as the live load driver sends it: SGLang's admission estimate.
+        self.models[url].submit(SimRequest(rid, prompt, output, keys, max_new_tokens=req.max_tokens),
+                                self.now)
         self._dirty.add(url)
         self._wake(url)
 
