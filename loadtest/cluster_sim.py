@@ -105,14 +105,20 @@ def replica_name(i: int) -> str:
 
 
 def signals_of(model: ReplicaModel, now: float) -> ReplicaSignals:
-    load = model.load(now)
+    """What the router's poller would parse from the replica's /metrics at `now`: the gauges as
+    SGLang last refreshed them (after a prefill batch, every decode_log_interval decode steps,
+    or idle), never the instant state."""
+    m = model.published_metrics(now)
     return ReplicaSignals(
-        num_running_reqs=load.num_running_reqs,
-        num_queue_reqs=load.num_queue_reqs,
-        token_usage=load.token_usage,
-        num_used_tokens=load.num_used_tokens,
-        max_total_num_tokens=load.max_total_num_tokens,
-        cache_hit_rate=load.cache_hit_rate,
+        num_running_reqs=m.num_running_reqs,
+        num_queue_reqs=m.num_queue_reqs,
+        token_usage=m.token_usage,
+        num_used_tokens=m.num_used_tokens,
+        max_total_num_tokens=model.profile.max_total_num_tokens,
+        cache_hit_rate=m.cache_hit_rate,
+        gen_throughput=m.gen_throughput,
+        kv_available_tokens=m.kv_available_tokens,
+        kv_evictable_tokens=m.kv_evictable_tokens,
     )
 
 
@@ -327,12 +333,18 @@ class ClusterSimulator:
 
     # -- periodic work ---------------------------------------------------------------------------
     def _poll(self) -> None:
-        # A replica whose model did nothing since the last poll would report the same signals.
+        # A replica whose model did nothing since the last poll reports the same signals, except
+        # an idle one whose gauges still await SGLang's idle refresh: it stays on the list.
+        pending: set[str] = set()
         for url in sorted(self._dirty):
             model = self.models.get(url)
-            if model is not None:
-                self.registry.update_signals(url, signals_of(model, self.now))
-        self._dirty.clear()
+            if model is None:
+                continue
+            self.registry.update_signals(url, signals_of(model, self.now))
+            sig = model.signals
+            if sig.idle_since is not None and sig.metrics.time < sig.idle_since:
+                pending.add(url)
+        self._dirty = pending
 
     def _housekeeping(self) -> None:
         self.engine.settle_fresh()

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from . import timing
 from .profiles import Profile
 from .radix_cache import KVSink, RadixCache
+from .replica_signals import DeferredKVSink, PoolState, PublishedLoads, PublishedMetrics, SignalState
 
 MAX_SEGMENT_STEPS = 64
 _WAITING, _PREFILL, _DECODE, _DONE = range(4)
@@ -124,8 +125,10 @@ class _Req:
 class ReplicaModel:
     def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
         self.profile = profile
+        # KV events wait in the deferred sink until SGLang would flush them (replica_signals).
+        self._kv = DeferredKVSink(kv_sink) if kv_sink is not None else None
         self.cache = RadixCache(
-            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, kv_sink
+            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, self._kv
         )
         self._ps = profile.page_size
         self._cap_pages = profile.max_total_num_tokens // profile.page_size
@@ -157,6 +160,12 @@ class ReplicaModel:
         self.cached_tokens_host_total = 0
         self.load_back_tokens_total = 0
         self.num_retracted_reqs_total = 0
+        # published signals (SGLang's cadence): see replica_signals
+        self.decode_tokens_total = 0
+        self._batch_hit_rate = 0.0
+        self._prefill_running = 0
+        self._seg_done = 0  # steps of the current segment already seen by the signals
+        self.signals = SignalState(profile, self._pool_state(0), self._kv)
 
     # ---- public API ----------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
@@ -197,6 +206,7 @@ class ReplicaModel:
         r.state = _DONE
         del self._reqs[rid]
         self.num_aborted_requests_total += 1
+        self._note_idle(self._now)
         return True
 
     def next_event_time(self) -> float | None:
@@ -221,7 +231,18 @@ class ReplicaModel:
         if self._reqs:
             return False
         self.cache.flush()
+        self.signals.idle(self._now, self._pool_state(0))  # idle: the clear is published at once
         return True
+
+    def published_metrics(self, now: float) -> PublishedMetrics:
+        """The ``/metrics`` gauges as SGLang last set them (call advance(now) first)."""
+        self._settle_idle(now)
+        return self.signals.metrics
+
+    def published_loads(self, now: float) -> PublishedLoads:
+        """The ``/v1/loads`` snapshot as SGLang last published it (call advance(now) first)."""
+        self._settle_idle(now)
+        return self.signals.loads
 
     def load(self, now: float) -> ReplicaLoad:
         """Gauges as of the last processed event (call advance(now) first)."""
@@ -263,9 +284,14 @@ class ReplicaModel:
             if self._op == _OP_PREFILL:
                 self._complete_prefill(end)
             elif self._op == _OP_DECODE:
+                self._catch_up(end)
                 self._complete_segment(end)
             self._schedule(end)
+            self._note_idle(end)
+        if self._op == _OP_DECODE:
+            self._catch_up(now)
         self._now = now
+        self._settle_idle(now)
 
     def _schedule(self, t: float) -> None:
         self._op = 0
@@ -365,6 +391,9 @@ class ReplicaModel:
             return False
         if hits + new:
             self.cache_hit_rate = hits / (hits + new)
+        computed = sum(n for _, n in items)  # log_input_tokens: what this batch computes
+        self._batch_hit_rate = hits / (hits + computed) if hits + computed else 0.0
+        self._prefill_running = len(self._decoding)
         self.load_back_tokens_total += load_tokens
         seconds = p.t_prefill_overhead + timing.load_back_time(p, load_tokens)
         for r, n in items:
@@ -377,6 +406,8 @@ class ReplicaModel:
 
     def _complete_prefill(self, t: float) -> None:
         ps = self._ps
+        left = sum(r.ctx - r.filled - n for r, n in self._prefill_items if r is self._chunked)
+        self.signals.prefill_result(t, self._pool_state(len(self._decoding), chunk_left=left))
         for r, n in self._prefill_items:
             if r.state != _PREFILL:
                 continue  # aborted meanwhile
@@ -409,6 +440,7 @@ class ReplicaModel:
                 r.need = timing.steps_to_reach(self.profile, r.gen, r.sim.output_len)
                 self._decoding.append(r)
         self._prefill_items = []
+        self.signals.prefill_report(t, self._pool_state(self._prefill_running), self._batch_hit_rate)
 
     # ---- decode --------------------------------------------------------------------------------
     def _start_segment(self, t: float) -> None:
@@ -429,6 +461,7 @@ class ReplicaModel:
         self._seg_start = t
         self._seg_dt = timing.decode_step_time(p, b, context)
         self._seg_steps = steps
+        self._seg_done = 0
         self._op = _OP_DECODE
         self._op_end = t + steps * self._seg_dt
         self.gen_throughput = b * p.spec_accept_length / self._seg_dt
@@ -448,7 +481,9 @@ class ReplicaModel:
             if r.state != _DECODE:
                 continue
             r.dsteps += k
+            before = r.gen
             r.gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps))
+            self.decode_tokens_total += r.gen - before
             self._grow(r, r.sim.prompt_len + r.gen)
             if r.dsteps >= r.need:
                 finished.append(r)
@@ -487,3 +522,63 @@ class ReplicaModel:
         self._pending.append(
             Finished(sim.rid, t, sim.prompt_len, sim.output_len, r.cached_dev + r.cached_host)
         )
+
+    # ---- published signals (stats only; replica_signals decides what SGLang shows) ------------
+    def _pool_state(self, running: int, extra_pages: int = 0, decode_sum: int = 0,
+                    chunk_left: int = 0) -> PoolState:
+        """Queues and pools now, with `extra_pages` more KV pages allocated (from free first)."""
+        p = self.profile
+        available = self._free_pages() * self._ps
+        evictable = self.cache.evictable_tokens
+        extra = extra_pages * self._ps
+        from_free = min(extra, available)
+        available -= from_free
+        evictable = max(0, evictable - (extra - from_free))
+        seq = sum(r.ctx for r in self._waiting)
+        return PoolState(
+            num_running_reqs=running,
+            num_queue_reqs=len(self._waiting),
+            num_used_tokens=p.max_total_num_tokens - available - evictable,
+            kv_available_tokens=available,
+            kv_evictable_tokens=evictable,
+            host_used_tokens=self.cache.host_tokens,
+            waiting_seq_tokens=seq,
+            waiting_uncached_tokens=seq + chunk_left,
+            decode_sum_seq_lens=decode_sum,
+        )
+
+    def _decode_state(self, j: int) -> tuple[PoolState, int]:
+        """The state after step j of the current segment (KV grows per step; the model allocates
+        it at the segment end) and the decode tokens generated by then."""
+        p = self.profile
+        ps = self._ps
+        extra = decode_sum = new = running = 0
+        for r in self._seg_batch:
+            if r.state != _DECODE:
+                continue
+            running += 1
+            gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps + j))
+            kv = r.sim.prompt_len + gen
+            grow = -(-kv // ps) - r.tree_pages - r.own_pages
+            if grow > 0:
+                extra += grow
+            decode_sum += kv
+            new += gen - r.gen
+        return self._pool_state(running, extra, decode_sum), self.decode_tokens_total + new
+
+    def _catch_up(self, now: float) -> None:
+        """Hand the signals the decode steps of the current segment that ended by `now`."""
+        last = min(self._seg_steps, math.floor((now - self._seg_start) / self._seg_dt + 1e-9))
+        if last > self._seg_done:
+            self.signals.decode_points(
+                self._seg_start, self._seg_dt, self._seg_done + 1, last, self._decode_state
+            )
+            self._seg_done = last
+
+    def _note_idle(self, t: float) -> None:
+        if not self._op and not self._reqs:
+            self.signals.idle(t, self._pool_state(0))
+
+    def _settle_idle(self, now: float) -> None:
+        if self.signals.idle_since is not None and not self._reqs:
+            self.signals.settle_idle(now, self._pool_state(0))
