@@ -151,6 +151,7 @@ class ClusterSimulator:
             self.profile.page_size * self.stride, self.profile.max_total_num_tokens
         )
         self._dirty: set[str] = set()  # replicas whose state changed since the last poll
+        self._idle_refresh: dict[str, float] = {}  # idle replicas -> their gauges' idle refresh
         self.engine = RoutingEngine(
             build_policy(policy, config.policy_params), self.registry, self.index, self.table,
             random.Random(f"policy:{config.seed}"),
@@ -334,17 +335,18 @@ class ClusterSimulator:
     # -- periodic work ---------------------------------------------------------------------------
     def _poll(self) -> None:
         # A replica whose model did nothing since the last poll reports the same signals, except
-        # an idle one whose gauges still await SGLang's idle refresh: it stays on the list.
-        pending: set[str] = set()
-        for url in sorted(self._dirty):
+        # an idle one whose gauges reach SGLang's idle refresh (30 s after their last refresh).
+        due = [url for url, at in self._idle_refresh.items() if at <= self.now]
+        for url in sorted(self._dirty.union(due)):
+            self._idle_refresh.pop(url, None)
             model = self.models.get(url)
             if model is None:
                 continue
             self.registry.update_signals(url, signals_of(model, self.now))
-            sig = model.signals
-            if sig.idle_since is not None and sig.metrics.time < sig.idle_since:
-                pending.add(url)
-        self._dirty = pending
+            at = model.signals.idle_refresh_at()
+            if at is not None:
+                self._idle_refresh[url] = at
+        self._dirty.clear()
 
     def _housekeeping(self) -> None:
         self.engine.settle_fresh()

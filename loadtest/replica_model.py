@@ -581,4 +581,4 @@ class ReplicaModel:
 
     def _settle_idle(self, now: float) -> None:
         if self.signals.idle_since is not None and not self._reqs:
-            self.signals.settle_idle(now, self._pool_state(0))
+            self.signals.settle_idle(now, lambda: self._pool_state(0))

@@ -252,14 +252,19 @@ class SignalState:
         self.loads_counter = 0
         self._flush_kv()
 
-    def settle_idle(self, now: float, state: PoolState) -> None:
-        """_maybe_log_idle_metrics: once idle, the gauges refresh 30 s after the last log_stats.
-        The state cannot change while idle, so one refresh stands for all later ones."""
+    def idle_refresh_at(self) -> float | None:
+        """When _maybe_log_idle_metrics next refreshes the gauges (None: not idle). It fires once
+        30 s have passed since the last log_stats; as the state cannot change while idle, one
+        refresh stands for all later ones."""
         if self.idle_since is None:
-            return
+            return None
         at = max(self.last_log_time + self.profile.idle_metrics_interval_s, self.idle_since)
-        if at > now or self.metrics.time >= at:
+        return None if self.metrics.time >= at else at
+
+    def settle_idle(self, now: float, state: Callable[[], PoolState]) -> None:
+        """Apply the idle refresh if it is due by `now`; `state` gives the (idle) pools."""
+        at = self.idle_refresh_at()
+        if at is None or at > now:
             return
-        m = self.metrics
         self._stats_throughput = 0.0
-        self._log(at, self._metrics(at, state, m.cache_hit_rate, 0.0))
+        self._log(at, self._metrics(at, state(), self.metrics.cache_hit_rate, 0.0))
