@@ -89,6 +89,14 @@ async def test_v1_loads_default_is_every_section_without_a_rank_timestamp(start_
     assert signals.num_running_reqs == 0
 
 
+async def test_server_info_reports_the_cadence_defaults(start_sim):
+    sim, url = await start_sim()
+    _, info = await _get(url, "/server_info")
+    assert info["decode_log_interval"] == 40
+    assert info["load_snapshot_publish_interval"] == 15
+    assert info["weight_version"] == "default"
+
+
 async def test_v1_loads_has_no_spec_section_before_a_decode_report(start_sim):
     sim, url = await start_sim()
     _, body = await _get(url, "/v1/loads")
