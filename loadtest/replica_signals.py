@@ -118,7 +118,6 @@ class SignalState:
         self.last_decode_report = 0.0
         self.decode_tokens_at_report = 0
         self.idle_since: float | None = 0.0
-        self._stats_hit_rate = 0.0
         self._stats_throughput = 0.0
         self.metrics = self._metrics(0.0, initial, 0.0, 0.0)
         self.loads = self._loads(0.0, initial)
@@ -203,7 +202,6 @@ class SignalState:
 
     def prefill_report(self, t: float, after: PoolState, hit_rate: float) -> None:
         """report_prefill_stats: the batch's hit rate, queues and pools; throughput unchanged."""
-        self._stats_hit_rate = hit_rate
         self._log(t, self._metrics(t, after, hit_rate, self._stats_throughput))
         self._flush_kv()
 
@@ -232,7 +230,6 @@ class SignalState:
             if report_d == d:
                 gap = t - self.last_decode_report
                 self._stats_throughput = (tokens - self.decode_tokens_at_report) / gap if gap > 0 else 0.0
-                self._stats_hit_rate = 0.0
                 self.last_decode_report = t
                 self.decode_tokens_at_report = tokens
                 self.decode_reports += 1
