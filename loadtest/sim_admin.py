@@ -142,8 +142,7 @@ class AdminHandlers:
 
     async def server_info(self, request: web.Request) -> web.Response:
         sim, p = self.sim, self.sim.profile
-        sim.poll()
-        load = sim.model.load(sim.now())
+        published = sim.published_metrics()  # last_gen_throughput moves at decode reports
         body = {
             **self._server_args(),
             "max_total_num_tokens": p.max_total_num_tokens,
@@ -151,8 +150,8 @@ class AdminHandlers:
             "internal_states": [
                 {
                     "dp_rank": 0,
-                    "last_gen_throughput": load.gen_throughput,
-                    "avg_spec_accept_length": load.spec_accept_length,
+                    "last_gen_throughput": published.gen_throughput,
+                    "avg_spec_accept_length": published.spec_accept_length,
                     "memory_usage": {"token_capacity": p.max_total_num_tokens},
                 }
             ],
