@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -226,3 +227,39 @@ async def test_openai_usage_has_reasoning_tokens_at_top_level(start_sim, stream)
     assert usage["reasoning_tokens"] == 0
     assert list(usage) == ["prompt_tokens", "total_tokens", "completion_tokens",
                            "prompt_tokens_details", "reasoning_tokens"]
+
+
+# ---- cadence through the HTTP driver -------------------------------------------------------------
+async def _running(url: str) -> tuple[float, int]:
+    _, text = await _get(url, "/metrics")
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    _, loads = await _get(url, "/v1/loads?include=core")
+    return gauges["sglang:num_running_reqs"], loads["loads"][0]["num_running_reqs"]
+
+
+@pytest.mark.parametrize("interval", [1, 10**9])
+async def test_http_replica_serves_the_published_gauges(start_sim, interval):
+    """A decoding request shows as running only once a decode report published it: at once
+    with an interval of one step, never with an interval longer than the run."""
+    profile = PLAIN.model_copy(update={
+        "decode_log_interval": interval, "load_snapshot_publish_interval": interval})
+    sim, url = await start_sim(profile, time_scale=1.0)
+    st = sim.submit(prompt_text=tokenizer.synthetic_text(64, 1), max_new_tokens=100000,
+                    ignore_eos=True)
+    try:
+        while st.first is None:  # bounded by the test timeout
+            await _tick()
+        assert sim.model.load(sim.now()).num_running_reqs == 1
+        if interval == 1:
+            while await _running(url) != (1.0, 1):
+                await _tick()
+        else:
+            for _ in range(5):  # the prefill report counted the new request as not yet running
+                assert await _running(url) == (0.0, 0)
+                await _tick()
+    finally:
+        sim.abort(st.rid)
+
+
+async def _tick() -> None:
+    await asyncio.sleep(0.01)
