@@ -412,12 +412,6 @@ class SimReplica:
             self.abort(st.rid, "The client disconnected.")
 
     # -- load views -------------------------------------------------------------------------------
-    def spec_accept_rate(self) -> float:
-        p = self.profile
-        if p.spec_verify_tokens <= 1:
-            return 0.0
-        return (p.spec_accept_length - 1.0) / (p.spec_verify_tokens - 1)
-
     def published_loads(self) -> PublishedLoads:
         """The last published ``/v1/loads`` snapshot (SGLang's cadence, not the instant state)."""
         self.poll()
