@@ -122,14 +122,20 @@ def replica_name(i: int) -> str:
 
 
 def signals_of(model: ReplicaModel, now: float) -> ReplicaSignals:
-    load = model.load(now)
+    """What the router's poller would parse from the replica's /metrics at `now`: the gauges as
+    SGLang last refreshed them (after a prefill batch, every decode_log_interval decode steps,
+    or idle), never the instant state."""
+    m = model.published_metrics(now)
     return ReplicaSignals(
-        num_running_reqs=load.num_running_reqs,
-        num_queue_reqs=load.num_queue_reqs,
-        token_usage=load.token_usage,
-        num_used_tokens=load.num_used_tokens,
-        max_total_num_tokens=load.max_total_num_tokens,
-        cache_hit_rate=load.cache_hit_rate,
+        num_running_reqs=m.num_running_reqs,
+        num_queue_reqs=m.num_queue_reqs,
+        token_usage=m.token_usage,
+        num_used_tokens=m.num_used_tokens,
+        max_total_num_tokens=model.profile.max_total_num_tokens,
+        cache_hit_rate=m.cache_hit_rate,
+        gen_throughput=m.gen_throughput,
+        kv_available_tokens=m.kv_available_tokens,
+        kv_evictable_tokens=m.kv_evictable_tokens,
     )
 
 
@@ -165,6 +171,7 @@ class ClusterSimulator:
         self.index = ShadowKVIndex(self.profile.page_size * self.stride, nominal.max_total_num_tokens)
         self._dirty: set[str] = set()  # replicas whose state changed since the last poll
         self.signal_delay = SignalDelay(world.signal_lag_s) if world.signal_lag_s > 0 else None
+        self._idle_refresh: dict[str, float] = {}  # idle replicas -> their gauges' idle refresh
         self.engine = RoutingEngine(
             build_policy(policy, config.policy_params), self.registry, self.index, self.table,
             random.Random(f"policy:{config.seed}"),
@@ -369,11 +376,18 @@ class ClusterSimulator:
 
     # -- periodic work ---------------------------------------------------------------------------
     def _poll(self) -> None:
-        # A replica whose model did nothing since the last poll would report the same signals.
-        for url in sorted(self._dirty):
+        # A replica whose model did nothing since the last poll reports the same signals, except
+        # an idle one whose gauges reach SGLang's idle refresh (30 s after their last refresh).
+        due = [url for url, at in self._idle_refresh.items() if at <= self.now]
+        for url in sorted(self._dirty.union(due)):
+            self._idle_refresh.pop(url, None)
             model = self.models.get(url)
-            if model is not None:
-                self._publish(url, signals_of(model, self.now))
+            if model is None:
+                continue
+            self._publish(url, signals_of(model, self.now))
+            at = model.signals.idle_refresh_at()
+            if at is not None:
+                self._idle_refresh[url] = at
         self._dirty.clear()
         for url in sorted(self._dead):  # the scrape of a crashed replica fails
             self.registry.record_failure(url)

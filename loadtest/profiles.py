@@ -81,6 +81,13 @@ class Profile(BaseModel):
     t_layer: float | None = Field(default=None, gt=0)  # fixed cost per layer per forward
     draft_layers: int = Field(default=0, ge=0)
 
+    # --- signal cadence (SGLang server args and scheduler constants; docs/sglang-fidelity.md) ---
+    decode_log_interval: int = Field(default=40, ge=1)  # /metrics refresh every N decode steps
+    load_snapshot_publish_interval: int = Field(default=15, ge=1)  # /v1/loads every N steps
+    idle_metrics_interval_s: float = Field(default=30.0, gt=0)  # idle /metrics refresh
+    # sglang:utilization needs this; SGLang sets none by default, so the gauge stays 0
+    max_running_requests_under_slo: int | None = Field(default=None, gt=0)
+
     @model_validator(mode="after")
     def _check(self) -> Profile:
         if self.n_active_params > self.n_total_params:

@@ -36,6 +36,10 @@ is below one step time (tested against a step-by-step reference). A submit (with
 an abort cuts the segment at the first step boundary at or after `now`, exactly where SGLang's
 loop would look at its queue again. Gauges that change inside a segment (num_used_tokens) are
 updated at its end.
+
+`load()` is the instant state; what SGLang *publishes* (the /metrics gauges, the /v1/loads
+snapshot, KV-event flushes) changes only at SGLang's own points: `published_metrics()`,
+`published_loads()` (replica_publishing, replica_signals).
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ from . import timing
 from .admission import NewTokenRatio, resolve_max_new_tokens
 from .profiles import Profile
 from .radix_cache import KVSink, RadixCache
+from .replica_publishing import DECODE_STATE, PublishingMixin
+from .replica_signals import DeferredKVSink, SignalState
 
 MAX_SEGMENT_STEPS = 64
 _WAITING, _PREFILL, _DECODE, _DONE = range(4)
+assert _DECODE == DECODE_STATE  # the publishing mixin reads request states too
 _OP_PREFILL, _OP_DECODE, _OP_WAKE = 1, 2, 3
 
 
@@ -135,11 +142,13 @@ class _Req:
         self.first_sent = False
 
 
-class ReplicaModel:
+class ReplicaModel(PublishingMixin):
     def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
         self.profile = profile
+        # KV events wait in the deferred sink until SGLang would flush them (replica_signals).
+        self._kv = DeferredKVSink(kv_sink) if kv_sink is not None else None
         self.cache = RadixCache(
-            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, kv_sink,
+            profile.page_size, profile.max_total_num_tokens, profile.host_total_num_tokens, self._kv,
             write_through=profile.hicache_write_through,
         )
         self._ps = profile.page_size
@@ -179,6 +188,12 @@ class ReplicaModel:
         self.num_retracted_reqs = 0  # retracted by the last retraction (SGLang gauge)
         self.num_retracted_input_tokens_total = 0
         self.num_retracted_output_tokens_total = 0
+        # published signals (SGLang's cadence): see replica_signals
+        self.decode_tokens_total = 0
+        self._batch_hit_rate = 0.0
+        self._prefill_running = 0
+        self._seg_done = 0  # steps of the current segment already seen by the signals
+        self.signals = SignalState(profile, self._pool_state(0), self._kv)
 
     # ---- public API ----------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
@@ -221,6 +236,7 @@ class ReplicaModel:
         r.state = _DONE
         del self._reqs[rid]
         self.num_aborted_requests_total += 1
+        self._note_idle(self._now)
         return True
 
     def next_event_time(self) -> float | None:
@@ -245,6 +261,7 @@ class ReplicaModel:
         if self._reqs:
             return False
         self.cache.flush()
+        self.signals.idle(self._now, self._pool_state(0))  # idle: the clear is published at once
         return True
 
     def load(self, now: float) -> ReplicaLoad:
@@ -291,9 +308,14 @@ class ReplicaModel:
             if self._op == _OP_PREFILL:
                 self._complete_prefill(end)
             elif self._op == _OP_DECODE:
+                self._catch_up(end)
                 self._complete_segment(end)
             self._schedule(end)
+            self._note_idle(end)
+        if self._op == _OP_DECODE:
+            self._catch_up(now)
         self._now = now
+        self._settle_idle(now)
 
     def _schedule(self, t: float) -> None:
         self._op = 0
@@ -400,6 +422,9 @@ class ReplicaModel:
             return False
         if hits + new:
             self.cache_hit_rate = hits / (hits + new)
+        computed = sum(n for _, n in items)  # log_input_tokens: what this batch computes
+        self._batch_hit_rate = hits / (hits + computed) if hits + computed else 0.0
+        self._prefill_running = len(self._decoding)
         self.load_back_tokens_total += load_tokens
         seconds = p.t_prefill_overhead + timing.load_back_time(p, load_tokens)
         for r, n in items:
@@ -412,6 +437,8 @@ class ReplicaModel:
 
     def _complete_prefill(self, t: float) -> None:
         ps = self._ps
+        left = sum(r.ctx - r.filled - n for r, n in self._prefill_items if r is self._chunked)
+        self.signals.prefill_result(t, self._pool_state(len(self._decoding), chunk_left=left))
         for r, n in self._prefill_items:
             if r.state != _PREFILL:
                 continue  # aborted meanwhile
@@ -445,6 +472,7 @@ class ReplicaModel:
                 self._decoding.append(r)
                 self._est_sum += self._estimate(r)
         self._prefill_items = []
+        self.signals.prefill_report(t, self._pool_state(self._prefill_running), self._batch_hit_rate)
 
     # ---- decode --------------------------------------------------------------------------------
     def _start_segment(self, t: float) -> None:
@@ -475,6 +503,7 @@ class ReplicaModel:
         self._seg_start = t
         self._seg_dt = timing.decode_step_time(p, b, context)
         self._seg_steps = steps
+        self._seg_done = 0
         self._op = _OP_DECODE
         self._op_end = t + steps * self._seg_dt
         self.gen_throughput = b * p.spec_accept_length / self._seg_dt
@@ -499,7 +528,9 @@ class ReplicaModel:
                 continue
             est_sum -= self._estimate(r)
             r.dsteps += k
+            before = r.gen
             r.gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps))
+            self.decode_tokens_total += r.gen - before
             self._grow(r, r.sim.prompt_len + r.gen)
             if r.dsteps >= r.need:
                 finished.append(r)

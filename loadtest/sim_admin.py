@@ -13,6 +13,8 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .profiles import Profile
+from .replica_signals import PublishedLoads
 from .sim_replica import SimError, SimReplica
 from .sim_requests import read_json
 from .sim_responses import json_response, native_error
@@ -24,6 +26,62 @@ FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
 )
+
+
+GIB = 1 << 30  # SGLang's memory figures are in GiB (its GB constant)
+
+
+def loads_entry(snap: PublishedLoads, p: Profile, include: set[str] | None = None) -> dict[str, Any]:
+    """LoadSnapshot.to_dict: core keys in SGLang's order, no timestamp; sections that are None
+    (no speculative decoding yet, no LoRA) are left out."""
+    entry: dict[str, Any] = {
+        "dp_rank": 0,
+        "num_running_reqs": snap.num_running_reqs,
+        "num_waiting_reqs": snap.num_waiting_reqs,
+        "num_waiting_uncached_tokens": snap.num_waiting_uncached_tokens,
+        "num_used_tokens": snap.num_used_tokens,
+        "num_total_tokens": snap.num_total_tokens,
+        "max_total_num_tokens": p.max_total_num_tokens,
+        "max_running_requests": p.max_running_requests,
+        "token_usage": snap.token_usage,
+        "gen_throughput": snap.gen_throughput,
+        "cache_hit_rate": snap.cache_hit_rate,
+        "utilization": snap.utilization,
+    }
+    if include == {"core"}:
+        return entry
+    every = include is None or "all" in include
+    sections: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("memory", "memory", {
+            "weight_gb": round(p.n_total_params * p.weight_bytes_per_param / p.gpus / GIB, 3),
+            "kv_cache_gb": round(p.max_total_num_tokens * p.kv_bytes_per_token / p.gpus / GIB, 3),
+            "graph_gb": 0.0,
+            "token_capacity": p.max_total_num_tokens,
+        }),
+        ("speculative", "spec", None if snap.spec_accept_length is None else {
+            "accept_length": snap.spec_accept_length,
+            "accept_rate": snap.spec_accept_rate,
+        }),
+        ("lora", "lora", None),
+        ("disaggregation", "disagg", {
+            "mode": "null",
+            "prefill_bootstrap_queue_reqs": 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        }),
+        ("queues", "queues", {
+            "waiting": snap.num_waiting_reqs, "grammar": 0, "paused": 0, "retracted": 0,
+        }),
+    ]
+    for field, token, section in sections:
+        if section is None or (not every and token not in include):  # type: ignore[operator]
+            continue
+        entry[field] = section
+    return entry
 
 
 class AdminHandlers:
@@ -70,6 +128,9 @@ class AdminHandlers:
             "enable_hierarchical_cache": p.host_total_num_tokens > 0,
             "disable_radix_cache": False,
             "schedule_policy": "fcfs",
+            "weight_version": "default",
+            "decode_log_interval": p.decode_log_interval,
+            "load_snapshot_publish_interval": p.load_snapshot_publish_interval,
             "kv_events_config": (
                 orjson.dumps(sim.kv_events_config).decode() if sim.kv_events_config else None
             ),
@@ -81,8 +142,7 @@ class AdminHandlers:
 
     async def server_info(self, request: web.Request) -> web.Response:
         sim, p = self.sim, self.sim.profile
-        sim.poll()
-        load = sim.model.load(sim.now())
+        published = sim.published_metrics()  # last_gen_throughput moves at decode reports
         body = {
             **self._server_args(),
             "max_total_num_tokens": p.max_total_num_tokens,
@@ -90,8 +150,8 @@ class AdminHandlers:
             "internal_states": [
                 {
                     "dp_rank": 0,
-                    "last_gen_throughput": load.gen_throughput,
-                    "avg_spec_accept_length": load.spec_accept_length,
+                    "last_gen_throughput": published.gen_throughput,
+                    "avg_spec_accept_length": published.spec_accept_length,
                     "memory_usage": {"token_capacity": p.max_total_num_tokens},
                 }
             ],
@@ -126,9 +186,10 @@ class AdminHandlers:
         return json_response(self._model_card())
 
     async def loads(self, request: web.Request) -> web.Response:
-        include = request.query.get("include", "core")
-        sections = {s.strip() for s in include.split(",") if s.strip()} or {"core"}
-        bad = sections - set(VALID_LOAD_SECTIONS)
+        # v1_loads.get_loads: no include (or "all") means every section.
+        include = request.query.get("include")
+        sections = {s.strip() for s in include.split(",") if s.strip()} if include else None
+        bad = (sections or set()) - set(VALID_LOAD_SECTIONS)
         if bad:
             return json_response(
                 {"detail": f"Invalid include sections: {sorted(bad)}. Valid: {list(VALID_LOAD_SECTIONS)}"},
@@ -137,7 +198,7 @@ class AdminHandlers:
         dp = request.query.get("dp_rank")
         if dp not in (None, "", "0"):
             return json_response({"detail": f"dp_rank {dp} out of range"}, 400)
-        entry = self.sim.loads_entry(sections)
+        entry = loads_entry(self.sim.published_loads(), self.sim.profile, sections)
         if request.query.get("format") == "prometheus":
             return web.Response(text=loads_prometheus([entry]), content_type="text/plain")
         p = self.sim.profile
@@ -152,16 +213,16 @@ class AdminHandlers:
         )
 
     async def get_load(self, request: web.Request) -> web.Response:
-        entry = self.sim.loads_entry({"core"})
-        waiting = self.sim.waiting_tokens()
+        """The deprecated ``/get_load``: a projection of the same load snapshot."""
+        snap = self.sim.published_loads()
         return json_response(
             [
                 {
                     "dp_rank": 0,
-                    "num_reqs": entry["num_running_reqs"] + entry["num_waiting_reqs"],
-                    "num_waiting_reqs": entry["num_waiting_reqs"],
-                    "num_tokens": entry["num_total_tokens"],
-                    "num_pending_tokens": waiting,
+                    "num_reqs": snap.num_running_reqs + snap.num_waiting_reqs,
+                    "num_waiting_reqs": snap.num_waiting_reqs,
+                    "num_tokens": snap.num_total_tokens,
+                    "num_pending_tokens": snap.num_total_tokens - snap.num_used_tokens,
                     "ts_tic": time.perf_counter(),
                 }
             ]
@@ -201,7 +262,7 @@ def loads_prometheus(entries: list[dict[str, Any]]) -> str:
     for e in entries:
         dp = e["dp_rank"]
         for k, v in e.items():
-            if k in ("dp_rank", "timestamp"):
+            if k == "dp_rank":
                 continue
             if isinstance(v, dict):
                 prefix = sections.get(k, k)
@@ -213,5 +274,5 @@ def loads_prometheus(entries: list[dict[str, Any]]) -> str:
     lines = []
     for name, rows in series.items():
         lines.append(f"# TYPE {name} gauge")
-        lines.extend(f'{name}{{dp_rank="{dp}"}} {float(v)}' for dp, v in rows)
+        lines.extend(f'{name}{{dp_rank="{dp}"}} {v}' for dp, v in rows)
     return "\n".join(lines) + "\n"

@@ -31,6 +31,7 @@ class InferenceHandlers:
             ignore_eos=s.ignore_eos,
             rid=s.rid,
             namespace=self.sim.namespace(body),
+            stream=bool(body.get("stream")),
         )
 
     def _usage(self, st: SimReq, completion_tokens: int | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The simulated replica's Prometheus exposition (``/metrics``), in SGLang's metric names.
 
-Everything is read from the replica at scrape time; histograms are filled by the replica as its
-model reports first tokens and finished requests.
+Scheduler gauges are the replica's *published* values (refreshed at SGLang's points, see
+``loadtest/replica_signals.py``); counters and histograms are read at scrape time, as SGLang's
+tokenizer and radix-cache collectors count as they go.
 """
 
 from __future__ import annotations
@@ -66,49 +67,52 @@ class SimCollector:
 
     def collect(self):  # noqa: C901 - one flat table
         r = self.r
-        r.poll()
-        now = r.now()
-        load = r.model.load(now)
+        m = r.published_metrics()  # SGLang's gauges change only at its refresh points
         p = r.profile
         sched = list(r.scheduler_label_values)
         tok = list(r.tokenizer_label_values)
-        spec_on = p.spec_verify_tokens > 1
         hicache = p.host_total_num_tokens > 0
-        m = r.model
+        model = r.model
         gauges: dict[str, float | None] = {
-            sg.NUM_RUNNING_REQS: load.num_running_reqs,
-            sg.NUM_QUEUE_REQS: load.num_queue_reqs,
+            sg.NUM_RUNNING_REQS: m.num_running_reqs,
+            sg.NUM_QUEUE_REQS: m.num_queue_reqs,
             sg.NUM_GRAMMAR_QUEUE_REQS: 0,
-            sg.GEN_THROUGHPUT: load.gen_throughput,
-            sg.CACHE_HIT_RATE: load.cache_hit_rate,
-            sg.DECODE_SUM_SEQ_LENS: r.decode_sum_seq_lens(now),
-            sg.TOKEN_USAGE: load.token_usage,
-            sg.FULL_TOKEN_USAGE: load.token_usage,
-            sg.NUM_USED_TOKENS: load.num_used_tokens,
-            sg.KV_AVAILABLE_TOKENS: load.kv_available_tokens,
-            sg.KV_EVICTABLE_TOKENS: load.kv_evictable_tokens,
-            sg.KV_USED_TOKENS: load.num_used_tokens,
-            sg.SPEC_ACCEPT_LENGTH: load.spec_accept_length if spec_on else None,
-            sg.SPEC_ACCEPT_RATE: r.spec_accept_rate() if spec_on else None,
-            sg.UTILIZATION: load.num_running_reqs / p.max_running_requests,
+            sg.GEN_THROUGHPUT: m.gen_throughput,
+            sg.CACHE_HIT_RATE: m.cache_hit_rate,
+            sg.DECODE_SUM_SEQ_LENS: m.decode_sum_seq_lens,
+            sg.TOKEN_USAGE: m.token_usage,
+            sg.FULL_TOKEN_USAGE: m.token_usage,
+            sg.NUM_USED_TOKENS: m.num_used_tokens,
+            sg.KV_AVAILABLE_TOKENS: m.kv_available_tokens,
+            sg.KV_EVICTABLE_TOKENS: m.kv_evictable_tokens,
+            sg.KV_USED_TOKENS: m.num_used_tokens,
+            # log_stats sets both on every refresh; 0 without speculative decoding
+            sg.SPEC_ACCEPT_LENGTH: m.spec_accept_length,
+            sg.SPEC_ACCEPT_RATE: m.spec_accept_rate,
+            sg.UTILIZATION: m.utilization,
             sg.MAX_TOTAL_NUM_TOKENS: p.max_total_num_tokens,
             sg.PAGE_SIZE: p.page_size,
             sg.NUM_PAGES: p.max_total_num_tokens // p.page_size,
             sg.CONTEXT_LEN: r.context_len,
-            sg.HICACHE_HOST_USED_TOKENS: load.host_used_tokens if hicache else None,
-            sg.HICACHE_HOST_TOTAL_TOKENS: load.host_total_tokens if hicache else None,
+            sg.HICACHE_HOST_USED_TOKENS: m.host_used_tokens if hicache else None,
+            sg.HICACHE_HOST_TOTAL_TOKENS: p.host_total_num_tokens if hicache else None,
         }
-        counters: dict[str, float | None] = {
-            sg.EVICTED_TOKENS_TOTAL: m.evicted_tokens_total if hicache else None,
-            sg.LOAD_BACK_TOKENS_TOTAL: m.load_back_tokens_total if hicache else None,
-            sg.PROMPT_TOKENS_TOTAL: m.prompt_tokens_total,
-            sg.GENERATION_TOKENS_TOTAL: m.generation_tokens_total,
-            sg.NUM_REQUESTS_TOTAL: m.num_requests_total,
-            sg.NUM_ABORTED_REQUESTS_TOTAL: m.num_aborted_requests_total,
+        cache_type = sg.HICACHE_CACHE_TYPE if hicache else sg.RADIX_CACHE_TYPE
+        # RadixCacheMetricsCollector: labelled by the cache class only; a series appears with its
+        # first increment, as prometheus_client shows only touched label sets.
+        radix: dict[str, list[tuple[list[str], float]]] = {
+            sg.EVICTED_TOKENS_TOTAL: [([cache_type], model.evicted_tokens_total)],
+            sg.LOAD_BACK_TOKENS_TOTAL: (
+                [([cache_type, "kv"], model.load_back_tokens_total)] if hicache else []
+            ),
+        }
+        counters: dict[str, float] = {
+            sg.NUM_ABORTED_REQUESTS_TOTAL: model.num_aborted_requests_total,
         }
         for spec in sg.METRIC_SPECS:
             name = spec.name()
             values = sched if spec.labels[: len(sg.SCHEDULER_LABELS)] == sg.SCHEDULER_LABELS else tok
+            by_stream = sg.IS_STREAMING in spec.labels
             if spec.type == "gauge":
                 v = gauges.get(spec.base)
                 if v is None:
@@ -117,28 +121,35 @@ class SimCollector:
                 fam.add_metric(values, float(v))
                 yield fam
             elif spec.type == "counter":
-                if spec.base == sg.CACHED_TOKENS_TOTAL:
-                    fam = CounterMetricFamily(name, spec.help, labels=spec.labels)
+                fam = CounterMetricFamily(name, spec.help, labels=spec.labels)
+                if spec.base in radix:
+                    for labels, v in radix[spec.base]:
+                        if v > 0:
+                            fam.add_metric(labels, float(v))
+                elif spec.base == sg.CACHED_TOKENS_TOTAL:
                     # SGLang increments nothing for a source with zero cached tokens.
                     for source, v in (
-                        ("device", m.cached_tokens_device_total),
-                        ("host", m.cached_tokens_host_total),
+                        ("device", model.cached_tokens_device_total),
+                        ("host", model.cached_tokens_host_total),
                     ):
                         if v > 0:
                             fam.add_metric(values + [source], float(v))
-                    yield fam
-                    continue
-                v = counters.get(spec.base)
-                if v is None:
-                    continue
-                fam = CounterMetricFamily(name, spec.help, labels=spec.labels)
-                fam.add_metric(values, float(v))
+                elif by_stream:
+                    for stream in (False, True):
+                        v = r.stream_counters.get((spec.base, stream))
+                        if v is not None:
+                            fam.add_metric(values + [sg.streaming_label(stream)], v)
+                elif counters.get(spec.base, 0) > 0:
+                    fam.add_metric(values, float(counters[spec.base]))
                 yield fam
             elif spec.type == "histogram":
-                h = r.histograms.get(spec.base)
-                if h is None:
-                    continue
                 fam = HistogramMetricFamily(name, spec.help, labels=spec.labels)
-                fam.add_metric(values, h.buckets(), h.sum)
+                if by_stream:
+                    for stream in (False, True):
+                        h = r.stream_histograms.get((spec.base, stream))
+                        if h is not None:
+                            fam.add_metric(values + [sg.streaming_label(stream)], h.buckets(), h.sum)
+                else:
+                    h = r.histograms[spec.base]
+                    fam.add_metric(values, h.buckets(), h.sum)
                 yield fam
-

@@ -13,6 +13,9 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
   length, and the pages a request leaves in the cache are those of ``prompt + output``, so the
   next turn of a conversation (whose history carries this reply) hits them.
 * cache namespaces: served model name + ``extra_key`` / ``cache_salt`` / ``lora_path``.
+* signals: ``/metrics`` gauges, ``/v1/loads`` and KV-event batches are what the model last
+  *published*, at SGLang's own refresh points (``loadtest/replica_signals.py``), not its state
+  at the scrape.
 * output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
   deterministic draw from (seed, rid) capped by it.
 
@@ -40,6 +43,7 @@ from . import tokenizer
 from .profiles import Profile, load_profile
 from .radix_cache import page_keys
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
+from .replica_signals import PublishedLoads, PublishedMetrics
 from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
 from .sim_metrics import Histogram, SimCollector
 
@@ -62,6 +66,7 @@ class SimReq:
     finish_kind: str  # "length" | "stop"
     submit_time: float  # model seconds
     namespace: str
+    stream: bool = False  # the tokenizer metrics' is_streaming label
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     first: FirstToken | None = None
     finished: Finished | None = None
@@ -138,11 +143,15 @@ class SimReplica:
         self.failed: str | None = None  # set when the driver died on a model error
         self.scheduler_label_values = (self.served_model_name, "unified", "0", "0", "0")
         self.tokenizer_label_values = (self.served_model_name, "unified")
+        # Tokenizer metrics, per is_streaming value where SGLang labels them so; a label set
+        # appears once a request has touched it, as with prometheus_client.
         self.histograms: dict[str, Histogram] = {
             spec.base: Histogram(spec.buckets or ())
             for spec in sg.METRIC_SPECS
-            if spec.type == "histogram"
+            if spec.type == "histogram" and sg.IS_STREAMING not in spec.labels
         }
+        self.stream_histograms: dict[tuple[str, bool], Histogram] = {}
+        self.stream_counters: dict[tuple[str, bool], float] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SimCollector(self))  # type: ignore[arg-type]
         self.created = int(time.time())
@@ -216,9 +225,19 @@ class SimReplica:
                 if handle is not None:
                     handle.cancel()
 
+    def _stream_histogram(self, base: str, stream: bool) -> Histogram:
+        h = self.stream_histograms.get((base, stream))
+        if h is None:
+            h = self.stream_histograms[(base, stream)] = Histogram(sg.SPEC_BY_BASE[base].buckets or ())
+        return h
+
+    def _count(self, base: str, stream: bool, value: float) -> None:
+        self.stream_counters[(base, stream)] = self.stream_counters.get((base, stream), 0.0) + value
+
     def _on_first(self, ev: FirstToken) -> None:
         st = self._reqs.get(ev.rid)
-        self.histograms[sg.TIME_TO_FIRST_TOKEN_SECONDS].observe(ev.ttft)
+        stream = st.stream if st is not None else False
+        self._stream_histogram(sg.TIME_TO_FIRST_TOKEN_SECONDS, stream).observe(ev.ttft)
         self.histograms[sg.QUEUE_TIME_SECONDS].observe(ev.queue_time)
         if st is not None:
             st.first = ev
@@ -228,7 +247,10 @@ class SimReplica:
         st = self._reqs.pop(ev.rid, None)
         if st is None:
             return
-        self.histograms[sg.E2E_REQUEST_LATENCY_SECONDS].observe(ev.time - st.submit_time)
+        self._stream_histogram(sg.E2E_REQUEST_LATENCY_SECONDS, st.stream).observe(ev.time - st.submit_time)
+        self._count(sg.PROMPT_TOKENS_TOTAL, st.stream, ev.prompt_tokens)
+        self._count(sg.GENERATION_TOKENS_TOTAL, st.stream, ev.completion_tokens)
+        self._count(sg.NUM_REQUESTS_TOTAL, st.stream, 1)
         if st.first is not None and ev.completion_tokens > 1:
             # observe_inter_token_latency: interval / n tokens into one bucket, n times; the
             # whole interval into _sum.
@@ -268,6 +290,7 @@ class SimReplica:
         ignore_eos: bool = False,
         rid: str | None = None,
         namespace: str | None = None,
+        stream: bool = False,
     ) -> SimReq:
         """Tokenize, choose the output, and hand the request to the model (raises SimError)."""
         if self.failed is not None:
@@ -318,7 +341,7 @@ class SimReplica:
             )
         except ValueError as exc:
             raise SimError(str(exc)) from exc
-        st = SimReq(rid, prompt_len, out_len, out_text, kind, now, ns)
+        st = SimReq(rid, prompt_len, out_len, out_text, kind, now, ns, stream)
         self._reqs[rid] = st
         self._publish()
         self.wake()
@@ -389,66 +412,12 @@ class SimReplica:
             self.abort(st.rid, "The client disconnected.")
 
     # -- load views -------------------------------------------------------------------------------
-    def decode_sum_seq_lens(self, now: float) -> int:
-        total = 0
-        for st in self._reqs.values():
-            if st.first is not None and st.finished is None:
-                total += st.prompt_len + self.model.progress(st.rid, now)
-        return total
-
-    def waiting_tokens(self) -> int:
-        return sum(st.prompt_len for st in self._reqs.values() if st.first is None)
-
-    def spec_accept_rate(self) -> float:
-        p = self.profile
-        if p.spec_verify_tokens <= 1:
-            return 0.0
-        return (p.spec_accept_length - 1.0) / (p.spec_verify_tokens - 1)
-
-    def loads_entry(self, sections: set[str]) -> dict[str, Any]:
+    def published_loads(self) -> PublishedLoads:
+        """The last published ``/v1/loads`` snapshot (SGLang's cadence, not the instant state)."""
         self.poll()
-        now = self.now()
-        load = self.model.load(now)
-        p = self.profile
-        every = "all" in sections
-        entry: dict[str, Any] = {
-            "dp_rank": 0,
-            "timestamp": time.time(),
-            "num_running_reqs": load.num_running_reqs,
-            "num_waiting_reqs": load.num_queue_reqs,
-            "num_used_tokens": load.num_used_tokens,
-            "num_total_tokens": load.num_used_tokens + self.waiting_tokens(),
-            "max_total_num_tokens": load.max_total_num_tokens,
-            "token_usage": round(load.token_usage, 4),
-            "gen_throughput": round(load.gen_throughput, 2),
-            "cache_hit_rate": round(load.cache_hit_rate, 4),
-            "utilization": round(load.num_running_reqs / p.max_running_requests, 4),
-            "max_running_requests": p.max_running_requests,
-            "memory": None,
-            "speculative": None,
-            "lora": None,
-            "disaggregation": None,
-            "queues": None,
-        }
-        if every or "memory" in sections:
-            entry["memory"] = {
-                "weight_gb": round(p.n_total_params * p.weight_bytes_per_param / p.gpus / 1e9, 2),
-                "kv_cache_gb": round(p.max_total_num_tokens * p.kv_bytes_per_token / 1e9, 2),
-                "graph_gb": 0.0,
-                "token_capacity": p.max_total_num_tokens,
-            }
-        if (every or "spec" in sections) and p.spec_verify_tokens > 1:
-            entry["speculative"] = {
-                "accept_length": round(load.spec_accept_length, 4),
-                "accept_rate": round(self.spec_accept_rate(), 4),
-            }
-        if every or "queues" in sections:
-            entry["queues"] = {
-                "waiting": load.num_queue_reqs,
-                "grammar": 0,
-                "paused": 0,
-                "retracted": 0,
-            }
-        return entry
+        return self.model.published_loads(self.now())
 
-
+    def published_metrics(self) -> PublishedMetrics:
+        """The ``/metrics`` gauges as SGLang last refreshed them."""
+        self.poll()
+        return self.model.published_metrics(self.now())

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from . import tokenizer
+from . import timing, tokenizer
 
 if TYPE_CHECKING:
     from .sim_replica import SimReplica, SimReq
 
 EOS_TOKEN_ID = 163586  # what `matched_stop` reports for a natural stop
+WEIGHT_VERSION = "default"  # ServerArgs.weight_version's default
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -54,13 +55,14 @@ def output_tokens(st: SimReq) -> int:
 # -- OpenAI ----------------------------------------------------------------------------------------
 def usage(st: SimReq, enable_cache_report: bool, completion_tokens: int | None = None) -> dict[str, Any]:
     ct = st.output_len if completion_tokens is None else completion_tokens
-    return {
+    return {  # protocol.UsageInfo, field for field (reasoning_tokens is top level there)
         "prompt_tokens": st.prompt_len,
         "total_tokens": st.prompt_len + ct,
         "completion_tokens": ct,
         "prompt_tokens_details": (
             {"cached_tokens": st.cached_tokens} if enable_cache_report else None
         ),
+        "reasoning_tokens": 0,
     }
 
 
@@ -155,13 +157,38 @@ def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:
     if final:
         n = output_tokens(st)
     text = st.output_text[: 4 * n]
-    end = st.finished.time if (final and st.finished is not None) else sim.now()
-    meta = {
+    # TokenizerManager._handle_batch_output: these keys always; e2e_latency and the speculative
+    # figures only once the request has a finish reason.
+    meta: dict[str, Any] = {
         "id": st.rid,
         "finish_reason": native_finish(st) if final else None,
         "prompt_tokens": st.prompt_len,
+        "weight_version": WEIGHT_VERSION,
+        "total_retractions": 0,  # per-request retractions are not tracked by the model
         "completion_tokens": n,
         "cached_tokens": st.cached_tokens,
-        "e2e_latency": end - st.submit_time,
     }
+    if final:
+        p = sim.profile
+        if p.spec_verify_tokens > 1:
+            meta.update(spec_meta(p, n))
+        end = st.finished.time if st.finished is not None else sim.now()
+        meta["e2e_latency"] = end - st.submit_time
     return {"text": text, "output_ids": tokenizer.encode(text), "meta_info": meta}
+
+
+def spec_meta(p: Any, completion_tokens: int) -> dict[str, Any]:
+    """_calculate_spec_decoding_metrics: verify passes after the prefill's token, the drafts
+    they accepted, and length = completion tokens per verify pass."""
+    verify_ct = timing.steps_to_reach(p, 1, completion_tokens)
+    meta: dict[str, Any] = {"spec_accept_rate": 0.0, "spec_accept_length": 0, "spec_verify_ct": verify_ct}
+    drafts = verify_ct * (p.spec_verify_tokens - 1)
+    if verify_ct > 0 and drafts > 0:
+        accepted = max(0, completion_tokens - 1 - verify_ct)
+        meta.update({
+            "spec_accept_rate": accepted / drafts,
+            "spec_accept_length": completion_tokens / verify_ct,
+            "spec_accept_token_num": accepted,
+            "spec_draft_token_num": drafts,
+        })
+    return meta

@@ -42,6 +42,13 @@ __all__ = [
     "QUEUE_TIME_BUCKETS",
     "QUEUE_TIME_BUCKETS_LEGACY",
     "CACHE_SOURCES",
+    "IS_STREAMING",
+    "CACHE_TYPE",
+    "POOL",
+    "streaming_label",
+    "RADIX_CACHE_TYPE",
+    "HICACHE_CACHE_TYPE",
+    "SPEC_BY_BASE",
     "ReplicaSignals",
     "SignalParseError",
     "parse_metrics_text",
@@ -82,8 +89,9 @@ def strip_prefix(name: str) -> Optional[str]:
 # Base names (python/sglang/srt/observability/metrics_collector.py)
 # --------------------------------------------------------------------------------------
 
-# SchedulerMetricsCollector -- gauges, refreshed by log_stats() after each prefill batch and
-# every --decode-log-interval decode steps.
+# SchedulerMetricsCollector -- gauges, refreshed by log_stats() after each prefill batch, every
+# --decode-log-interval (40) decode steps and, when idle, every 30 s: never at scrape time.
+# cache_hit_rate is the last prefill batch's and is reset to 0 at every decode report.
 NUM_RUNNING_REQS = "num_running_reqs"
 NUM_QUEUE_REQS = "num_queue_reqs"
 NUM_GRAMMAR_QUEUE_REQS = "num_grammar_queue_reqs"
@@ -126,7 +134,8 @@ TIME_TO_FIRST_TOKEN_SECONDS = "time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "inter_token_latency_seconds"
 E2E_REQUEST_LATENCY_SECONDS = "e2e_request_latency_seconds"
 
-# RadixCacheMetricsCollector (HiCache) / StorageMetricsCollector.
+# RadixCacheMetricsCollector (one per radix cache, labelled cache_type=<its class>) /
+# StorageMetricsCollector.
 EVICTED_TOKENS_TOTAL = "evicted_tokens_total"
 LOAD_BACK_TOKENS_TOTAL = "load_back_tokens_total"
 EVICTION_DURATION_SECONDS = "eviction_duration_seconds"
@@ -153,6 +162,19 @@ TOKENIZER_LABELS = ("model_name", "engine_type")
 #: ``storage_<backend>`` (e.g. ``storage_file``), and ``total`` is the fallback when a
 #: request carries no per-tier breakdown.
 CACHE_SOURCES = ("device", "host", "total")
+#: TokenizerMetricsCollector splits prompt/generation tokens, requests, TTFT and e2e latency by
+#: streaming: ``is_streaming="true"|"false"``.
+IS_STREAMING = "is_streaming"
+#: RadixCacheMetricsCollector labels: the cache's class name; load-back also by host pool.
+CACHE_TYPE = "cache_type"
+POOL = "pool"
+RADIX_CACHE_TYPE = "RadixCache"
+HICACHE_CACHE_TYPE = "HiRadixCache"
+
+
+def streaming_label(stream: bool) -> str:
+    """The ``is_streaming`` label value SGLang writes."""
+    return "true" if stream else "false"
 
 # --------------------------------------------------------------------------------------
 # Histogram buckets (defaults; each is overridable by a server flag)
@@ -204,6 +226,7 @@ class MetricSpec(NamedTuple):
 
 _S = SCHEDULER_LABELS
 _T = TOKENIZER_LABELS
+_TS = TOKENIZER_LABELS + (IS_STREAMING,)
 
 #: The metrics a faithful simulated replica exports (HELP strings verbatim from SGLang).
 METRIC_SPECS: tuple[MetricSpec, ...] = (
@@ -229,17 +252,20 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(HICACHE_HOST_USED_TOKENS, "gauge", "Number of tokens currently used in the host KV cache.", _S),
     MetricSpec(HICACHE_HOST_TOTAL_TOKENS, "gauge", "Total capacity of the host KV cache in tokens.", _S),
     MetricSpec(QUEUE_TIME_SECONDS, "histogram", "Histogram of queueing time in seconds.", _S, QUEUE_TIME_BUCKETS),
-    MetricSpec(EVICTED_TOKENS_TOTAL, "counter", "The number of tokens evicted from GPU to CPU.", _S),
-    MetricSpec(LOAD_BACK_TOKENS_TOTAL, "counter", "The number of tokens loaded from CPU to GPU.", _S),
-    MetricSpec(PROMPT_TOKENS_TOTAL, "counter", "Number of prefill tokens processed.", _T),
-    MetricSpec(GENERATION_TOKENS_TOTAL, "counter", "Number of generation tokens processed.", _T),
+    MetricSpec(EVICTED_TOKENS_TOTAL, "counter", "The number of device KV token slots freed by eviction, regardless of whether the data was backed up to host (see sglang:hicache_backup_tokens_total) or destroyed (see sglang:hicache_dropped_tokens_total).", (CACHE_TYPE,)),
+    MetricSpec(LOAD_BACK_TOKENS_TOTAL, "counter", "The number of tokens loaded back from local host DRAM (L2) to GPU, by host pool (kv, swa, mamba, ...).", (CACHE_TYPE, POOL)),
+    MetricSpec(PROMPT_TOKENS_TOTAL, "counter", "Number of prefill tokens processed.", _TS),
+    MetricSpec(GENERATION_TOKENS_TOTAL, "counter", "Number of generation tokens processed.", _TS),
     MetricSpec(CACHED_TOKENS_TOTAL, "counter", "Number of cached prompt tokens by source (device/host/storage).", _T + ("cache_source",)),
-    MetricSpec(NUM_REQUESTS_TOTAL, "counter", "Number of requests processed.", _T),
+    MetricSpec(NUM_REQUESTS_TOTAL, "counter", "Number of requests processed.", _TS),
     MetricSpec(NUM_ABORTED_REQUESTS_TOTAL, "counter", "Number of requests aborted.", _T),
-    MetricSpec(TIME_TO_FIRST_TOKEN_SECONDS, "histogram", "Histogram of time to first token in seconds.", _T, TTFT_BUCKETS),
+    MetricSpec(TIME_TO_FIRST_TOKEN_SECONDS, "histogram", "Histogram of time to first token in seconds.", _TS, TTFT_BUCKETS),
     MetricSpec(INTER_TOKEN_LATENCY_SECONDS, "histogram", "Histogram of inter-token latency in seconds.", _T, ITL_BUCKETS),
-    MetricSpec(E2E_REQUEST_LATENCY_SECONDS, "histogram", "Histogram of End-to-end request latency in seconds", _T, E2E_LATENCY_BUCKETS),
+    MetricSpec(E2E_REQUEST_LATENCY_SECONDS, "histogram", "Histogram of End-to-end request latency in seconds", _TS, E2E_LATENCY_BUCKETS),
 )  # fmt: skip
+
+#: METRIC_SPECS by base name.
+SPEC_BY_BASE: dict[str, MetricSpec] = {spec.base: spec for spec in METRIC_SPECS}
 
 # --------------------------------------------------------------------------------------
 # Router-side signals

@@ -176,6 +176,8 @@ def test_non_text_raises():
         parse_metrics_text(b"sglang:num_running_reqs 1\n")  # type: ignore[arg-type]
 
 
+# v1_loads.get_loads / LoadSnapshot.to_dict with no include: core keys in _CORE_KEYS order,
+# no per-rank timestamp, every section that exists (no LoRA here: left out, not null).
 V1_LOADS = {
     "timestamp": "2026-01-01T00:00:00+00:00",
     "version": "0.5.23",
@@ -184,25 +186,50 @@ V1_LOADS = {
     "loads": [
         {
             "dp_rank": 0,
-            "timestamp": 1767225600.0,
             "num_running_reqs": 12,
             "num_waiting_reqs": 3,
+            "num_waiting_uncached_tokens": 9000,
             "num_used_tokens": 50000,
             "num_total_tokens": 61000,
             "max_total_num_tokens": 200000,
+            "max_running_requests": 48,
             "token_usage": 0.25,
             "gen_throughput": 900.5,
             "cache_hit_rate": 0.75,
-            "utilization": 0.5,
-            "max_running_requests": 48,
+            "utilization": 0.0,
             "memory": {"weight_gb": 120.0, "kv_cache_gb": 40.0, "graph_gb": 2.0, "token_capacity": 200000},
             "speculative": {"accept_length": 3.2, "accept_rate": 0.55},
-            "lora": None,
-            "disaggregation": None,
+            "disaggregation": {
+                "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+                "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+                "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            },
             "queues": {"waiting": 3, "grammar": 0, "paused": 0, "retracted": 0},
         }
     ],
 }
+
+
+def test_v1_loads_without_rank_timestamp_and_core_only():
+    assert "timestamp" not in V1_LOADS["loads"][0]
+    core = {k: v for k, v in V1_LOADS["loads"][0].items() if not isinstance(v, dict)}
+    assert parse_loads_json({"loads": [core]}) == parse_loads_json(V1_LOADS)
+
+
+def test_real_exposition_with_stream_and_cache_type_labels_parses_strictly():
+    tok = 'engine_type="unified",model_name="kimi"'
+    text = "\n".join([
+        single_rank_exposition(),
+        counter("prompt_tokens_total", "Number of prefill tokens processed.",
+                [(tok + ',is_streaming="false"', 100.0), (tok + ',is_streaming="true"', 50.0)]),
+        counter("evicted_tokens_total", "The number of device KV token slots freed by eviction.",
+                [('cache_type="HiRadixCache"', 4096.0)]),
+        counter("load_back_tokens_total", "The number of tokens loaded back.",
+                [('cache_type="HiRadixCache",pool="kv"', 512.0)]),
+    ]) + "\n"
+    assert parse_metrics_text(text, strict=True) == EXPECTED_SINGLE
+    assert parse_metrics_text(text) == EXPECTED_SINGLE
 
 
 def test_v1_loads_single_rank():
@@ -272,6 +299,12 @@ def test_name_helpers_and_specs():
         assert must in names
     spec = {s.base: s for s in sg.METRIC_SPECS}
     assert spec["cached_tokens_total"].labels[-1] == "cache_source"
+    for base in ("prompt_tokens_total", "generation_tokens_total", "num_requests_total",
+                 "time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert spec[base].labels == sg.TOKENIZER_LABELS + ("is_streaming",), base
+    assert "is_streaming" not in spec["inter_token_latency_seconds"].labels
+    assert spec["evicted_tokens_total"].labels == ("cache_type",)
+    assert spec["load_back_tokens_total"].labels == ("cache_type", "pool")
     assert spec["time_to_first_token_seconds"].buckets == sg.TTFT_BUCKETS
     assert sg.TTFT_BUCKETS[0] == 0.1 and sg.TTFT_BUCKETS[-1] == 400
 
