@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.profiles import load_profile
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.metrics import sglang as sg
+from kvrouter.sglang_protocol import signals as sg
 
 FAST = 200.0
 TINY = load_profile("tiny")  # has speculative decoding (accept 2.5 of 4)
