@@ -39,13 +39,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..policies.domain import SessionView
 from . import affinity_lua as lua
 from .redis_cluster import ClusterRedis
 from .redis_pipe import PipelinedRedis, Script
 from .sessions import DEFAULT_MAX_SESSIONS, SessionTable
+from .supervise import spawn
 
 log = logging.getLogger("kvrouter.affinity")
 
@@ -148,7 +149,9 @@ class RedisAffinityStore:
         buckets: int | None = None,
         cluster: bool = False,
         on_evict: Callable[[int], None] | None = None,
+        metrics: Any = None,
     ) -> None:
+        self.metrics = metrics  # a RouterMetrics: counts restarts of the supervised heartbeat
         self.table = table
         self.local = MemoryAffinityStore(table, clock)
         self.router_id = uuid.uuid4().hex[:12]
@@ -408,7 +411,7 @@ class RedisAffinityStore:
 
     async def start(self) -> None:
         await self._heartbeat()  # this router's counts only count once it has a heartbeat
-        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="redis-heartbeat")
+        self._heartbeat_task = spawn("redis-heartbeat", self._heartbeat_loop, metrics=self.metrics)
 
     async def close(self) -> None:
         await self.settle()

@@ -144,7 +144,7 @@ class Router:
             on_error=lambda op: self.metrics.affinity_errors.labels(op).inc(),
             password=os.environ.get(a.password_env) if a.password_env else None,
             max_sessions=a.max_sessions, buckets=a.redis_buckets, cluster=a.redis_cluster,
-            on_evict=self.metrics.sessions_evicted.labels("redis").inc,
+            on_evict=self.metrics.sessions_evicted.labels("redis").inc, metrics=self.metrics,
         )
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:

@@ -256,3 +256,31 @@ async def test_a_cancelled_acquire_leaves_no_count(redis_server):
     finally:
         redis_server.resume()
         await s.close(), await other.close()
+
+
+async def test_a_crashed_heartbeat_loop_restarts_and_is_counted(redis_server):
+    """The lease heartbeat runs supervised: an unexpected error restarts it (with backoff) and
+    is counted, so this router's in-flight counts keep counting in Redis."""
+    from kvrouter.metrics.router_metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    s = store(redis_server.url, lease_s=0.3, metrics=metrics)
+    await s.start()
+    real, calls = s._heartbeat, []
+
+    async def flaky() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the heartbeat")
+        await real()
+
+    s._heartbeat = flaky  # type: ignore[method-assign]
+    try:
+        restarts = metrics.background_restarts.labels("redis-heartbeat")
+        deadline = asyncio.get_running_loop().time() + 10
+        while (restarts._value.get() < 1 or len(calls) < 3) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert restarts._value.get() == 1 and len(calls) >= 3  # crashed once, then beat on
+        assert not s._heartbeat_task.done()
+    finally:
+        await s.close()
