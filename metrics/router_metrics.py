@@ -22,6 +22,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._children_of: dict[str, list[tuple[Any, tuple[str, ...]]]] = {}  # replica -> its children
         r = self.registry
         self.requests = Counter(
             "kvrouter_requests_total",
@@ -198,7 +199,19 @@ class RouterMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+            if values and getattr(metric, "_labelnames", ())[:1] == ("replica",):
+                self._children_of.setdefault(values[0], []).append((metric, values))
         return found
+
+    def forget_children(self, replica: str) -> None:
+        """Drop the series of `replica` created through `child` (the request path's): cheap,
+        for a request that ends after its replica left and may have recreated some."""
+        for metric, values in self._children_of.pop(replica, ()):
+            self._children.pop((id(metric), values), None)
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -206,8 +219,7 @@ class RouterMetrics:
     def forget_replica(self, replica: str) -> None:
         """Drop every series labelled with `replica` (and the cached children that feed them),
         so a replica that left the fleet leaves no stale series behind."""
-        for key in [k for k in self._children if replica in k[1]]:
-            del self._children[key]
+        self.forget_children(replica)
         for metric in vars(self).values():
             names = getattr(metric, "_labelnames", ())
             if not isinstance(metric, MetricWrapperBase) or "replica" not in names:

@@ -104,6 +104,8 @@ class RoutingEngine:
         no replica can take the request. `retry_of`: the request's previous placement (see
         `Placement.retry`)."""
         if target is not None:
+            if not self.registry.healthy(target):  # checked by the handler, but awaits came since
+                return None
             decision: Decision | None = Decision(target, "target_hint")
         else:
             decision, summary = self.decide(summary, session)

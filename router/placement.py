@@ -78,7 +78,7 @@ class Placement:
     already reserved the replica's in-flight slot."""
 
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried",
-                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted")
+                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration")
 
     def __init__(
         self,
@@ -111,6 +111,7 @@ class Placement:
 
     # -- in-flight slot ----------------------------------------------------------------------------
     def _reserve(self, url: str) -> None:
+        self._registration = self.engine.registry.registration(url)
         self.engine.registry.dispatched(url, self.summary.prompt_tokens)
         m = self.engine.metrics
         if m is not None:
@@ -118,13 +119,14 @@ class Placement:
         self._held = True
 
     def _release(self, url: str) -> None:
-        self.engine.registry.completed(url, self.summary.prompt_tokens)
-        m = self.engine.metrics
-        if m is not None:
-            if url in self.engine.registry:
+        registry, m = self.engine.registry, self.engine.metrics
+        if registry.registration(url) == self._registration:
+            registry.completed(url, self.summary.prompt_tokens)
+            if m is not None:
                 m.child(m.in_flight, url).dec()
-            else:  # removed while this request ran: drop the series it recreated since
-                m.forget_replica(url)
+        elif m is not None and url not in registry:  # removed while this request ran: drop
+            m.forget_children(url)  # the series it recreated since
+        # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
 
     @property

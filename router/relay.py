@@ -10,6 +10,7 @@ event boundary (never half a JSON line).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -36,12 +37,23 @@ from .upstream_http import (
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
+log = logging.getLogger("kvrouter.relay")
 REPLICA_HEADER = "x-kvrouter-replica"
 WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
 _BROKEN_BODY = (UpstreamBodyError, UpstreamTimeout)
 
 
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+# Past upstream.total_timeout_s a stream's error event gets this long to reach its client.
+_CLIENT_WRITE_GRACE_S = 10.0
+
+
+def _abort_client(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        log.warning("client of %s stopped reading; connection cut after upstream.total_timeout_s",
+                    request.path)
+        transport.abort()
 
 
 def _last_event_end(data: bytes | bytearray) -> int:
@@ -202,7 +214,8 @@ class Relay:
                     upstream.close()
                     placement = current.retry()
                     continue
-                current.accepted()  # only now does the replica cache the prompt
+                if upstream.status < 300:  # only a request it serves leaves its prompt cached
+                    current.accepted()
                 return await self._relay(request, upstream, url, request_id, sent)
             finally:
                 current.done()
@@ -278,6 +291,26 @@ class Relay:
     ) -> web.StreamResponse:
         response = _Response(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
+        # A client that stops reading blocks our writes, and with them the upstream's timeouts
+        # (reading from the replica pauses): past the total timeout plus a grace for the error
+        # event, its connection is cut, so the blocked write fails and the slot is released.
+        watchdog = asyncio.get_running_loop().call_later(
+            max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
+            _abort_client, request)
+        try:
+            return await self._relay_body(request, response, upstream, url, sse, sent)
+        finally:
+            watchdog.cancel()
+
+    async def _relay_body(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        upstream: UpstreamResponse,
+        url: str,
+        sse: bool,
+        sent: float,
+    ) -> web.StreamResponse:
         write = response.write
         readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent

@@ -32,6 +32,10 @@ class ReplicaRegistry:
         self._healthy_count = 0
         self._fresh: dict[str, None] = {}
         self._epoch = 0
+        # Which registration of a URL is current: a slot reserved on an earlier one (the replica
+        # was removed and added back meanwhile) must not be released on the new one.
+        self._registrations: dict[str, int] = {}
+        self._registered = 0
         self.draining: set[str] = set()  # no new work; removed once their in-flight ends
         for url in urls:
             self.add(url, fresh=False)
@@ -44,9 +48,15 @@ class ReplicaRegistry:
         self._views[url] = view
         self._account(view, 1)
         self._failures[url] = 0
+        self._registered += 1
+        self._registrations[url] = self._registered
         self._epoch += 1
         self._snapshot = None
         return True
+
+    def registration(self, url: str) -> int | None:
+        """A number that changes each time `url` is added; None while it is not a member."""
+        return self._registrations.get(url)
 
     def remove(self, url: str) -> bool:
         view = self._views.pop(url, None)
@@ -54,6 +64,7 @@ class ReplicaRegistry:
             return False
         self._account(view, -1)
         self._failures.pop(url, None)
+        self._registrations.pop(url, None)
         self.draining.discard(url)
         self._epoch += 1
         self._snapshot = None

@@ -461,6 +461,8 @@ class UpstreamPool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+        if conn.key in self._gone and not any(c.key == conn.key for c in self._open):
+            self._gone.discard(conn.key)  # its replica's last connection: nothing left to close
 
     def connections(self) -> list[asyncio.Transport]:
         """The open connections' transports (tests check their socket options)."""

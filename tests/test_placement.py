@@ -273,3 +273,29 @@ async def test_a_request_cut_while_its_home_is_claimed_releases_its_slot(start_a
     assert router.registry.view(replica).in_flight == 0
     assert router.metrics.registry.get_sample_value(
         "kvrouter_replica_in_flight_requests", {"replica": replica}) == 0
+
+
+def test_a_slot_reserved_before_a_remove_and_re_add_is_not_released_on_the_new_registration():
+    """Discovery drains and re-adds a replica whose streams still run: an old request ending
+    must not take the new registration's in-flight count (or its gauge) below what runs on it."""
+    eng = engine(Decision(A, "x"), Decision(A, "x"))
+    old = eng.place(RequestSummary("/v1/chat/completions", prompt_tokens=100), None)
+    eng.remove_replica(A)
+    eng.metrics.forget_replica(A)  # as router/membership.py removes it
+    eng.add_replica(A, now=0.0)
+    new = eng.place(RequestSummary("/v1/chat/completions", prompt_tokens=100), None)
+    old.done()
+    assert eng.registry.view(A).in_flight == 1
+    assert eng.metrics.in_flight.labels(A)._value.get() == 1
+    new.done()
+    assert eng.registry.view(A).in_flight == 0
+    assert eng.metrics.in_flight.labels(A)._value.get() == 0
+
+
+def test_a_hinted_target_that_became_unhealthy_is_not_placed():
+    """The handler checks a routing hint's target before awaits (tokenizer, Redis); the
+    placement checks again, so a replica drained meanwhile gets no request."""
+    eng = engine()
+    eng.registry.drain(B)
+    assert eng.place(RequestSummary("/v1/chat/completions"), None, target=B) is None
+    assert eng.registry.view(B).in_flight == 0

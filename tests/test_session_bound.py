@@ -120,3 +120,17 @@ async def test_router_reports_evictions_in_its_metrics(start_app, start_router):
 def test_max_sessions_must_be_positive():
     with pytest.raises(ValueError):
         SessionTable(max_sessions=0)
+
+
+def test_expire_walks_from_the_oldest_and_skips_requests_in_flight():
+    """Expiry stops at the first session used within the TTL (the table is in order of use),
+    still expiring every idle one past it and never one with a request in flight."""
+    t = SessionTable(ttl_s=10.0)
+    for i in range(5):
+        t.touch(f"s{i}", float(i))
+    t.acquire("s1", 1.0)  # in flight since t=1: old, busy
+    t.touch("s3", 20.0)  # used again: moves to the end
+    assert t.expire(14.5) == 3  # s0, s2, s4 (idle, last used at 0, 2, 4); s1 busy; s3 recent
+    assert {k for k in ("s0", "s1", "s2", "s3", "s4") if t.entry(k) is not None} == {"s1", "s3"}
+    t.release("s1", 21.0)  # the clock only moves forward, so use order is time order
+    assert t.expire(30.5) == 1 and t.entry("s3") is None and t.entry("s1") is not None

@@ -166,3 +166,55 @@ async def test_reader_that_never_reads_is_backpressured(start_app, start_router,
     fault_record.replica(ReplicaCounts("firehose", counts["received"], counts["completed"], counts["aborted"],
                                        running=counts["received"] - counts["completed"] - counts["aborted"]))
     fault_record.note(f"buffered {stuck_at / 2**20:.1f} MiB of 128 MiB before backpressure")
+
+
+@pytest.mark.timeout(30)
+async def test_client_that_stops_reading_a_stream_is_cut_and_its_slot_released(
+        start_app, start_router, monkeypatch):
+    """A client keeps its connection open and never reads: the router's writes block, reading
+    from the replica pauses, so no idle timeout fires. Past the total timeout (plus the grace
+    for an error event) the client's connection is cut and the replica's slot comes back."""
+    from kvrouter.router import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "_CLIENT_WRITE_GRACE_S", 0.5)
+    event = b"data: " + b"x" * 4000 + b"\n\n"
+    aborted = asyncio.Event()
+
+    async def firehose(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(100_000):
+                await resp.write(event)
+        except (ConnectionResetError, asyncio.CancelledError):
+            aborted.set()
+            raise
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", firehose)
+    app.router.add_get("/health", health)
+    upstream = await start_app(app)
+    router, url = await start_router([upstream], signals={"source": "health", "interval_s": 60},
+                                     upstream={"total_timeout_s": 1.0, "idle_timeout_s": 1.0})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = b'{"model": "m", "messages": [], "stream": true}'
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await reader.readuntil(b"\r\n\r\n")
+    reader._transport.pause_reading()  # stop reading: the window closes
+    try:
+        await asyncio.wait_for(aborted.wait(), 10)  # the replica's connection was given up
+        deadline = asyncio.get_running_loop().time() + 10
+        while router.registry.view(upstream).in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert router.registry.view(upstream).in_flight == 0
+    finally:
+        writer.close()
