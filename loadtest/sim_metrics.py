@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
 )
 
-from ..sglang_protocol import signals as sg
+from ..sglang_protocol import metric_names as sg
 
 if TYPE_CHECKING:
     from .sim_replica import SimReplica

@@ -15,7 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.profiles import load_profile
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.metrics import sglang as sg
+from kvrouter.sglang_protocol import metric_names as sg
+from kvrouter.sglang_protocol.loads import parse_loads_json
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 FAST = 200.0
 TINY = load_profile("tiny")  # has speculative decoding (accept 2.5 of 4)
@@ -85,7 +87,7 @@ async def test_v1_loads_default_is_every_section_without_a_rank_timestamp(start_
     _, queues = await _get(url, "/v1/loads?include=queues")
     assert "queues" in queues["loads"][0] and "memory" not in queues["loads"][0]
     # the router's parser takes the shape without a timestamp (the poller stamps its own)
-    signals = sg.parse_loads_json(body)
+    signals = parse_loads_json(body)
     assert signals.max_total_num_tokens == TINY.max_total_num_tokens
     assert signals.num_running_reqs == 0
 
@@ -158,7 +160,7 @@ async def test_tokenizer_metrics_carry_is_streaming(start_sim):
     gauges = {n: fams["sglang:" + n].samples[0].value
               for n in ("spec_accept_length", "spec_accept_rate", "utilization")}
     assert gauges == {"spec_accept_length": 0.0, "spec_accept_rate": 0.0, "utilization": 0.0}
-    sg.parse_metrics_text(text, strict=True)  # the router still parses the whole page
+    parse_metrics_text(text, strict=True)  # the router still parses the whole page
 
 
 @pytest.mark.parametrize("hicache", [False, True])
@@ -183,7 +185,7 @@ async def test_radix_cache_counters_carry_cache_type(start_sim, hicache):
         assert load_back[0].value == sim.model.load_back_tokens_total > 0
     else:
         assert load_back == []
-    assert sg.parse_metrics_text(page, strict=True).num_running_reqs == 0
+    assert parse_metrics_text(page, strict=True).num_running_reqs == 0
 
 
 # ---- /generate and OpenAI usage -------------------------------------------------------------------
