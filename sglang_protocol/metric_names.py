@@ -93,10 +93,10 @@ KV_EVICTABLE_TOKENS = "kv_evictable_tokens"
 KV_USED_TOKENS = "kv_used_tokens"
 SPEC_ACCEPT_LENGTH = "spec_accept_length"
 SPEC_ACCEPT_RATE = "spec_accept_rate"
-NUM_RETRACTED_REQS = "num_retracted_reqs"
+NUM_RETRACTED_REQS = "num_retracted_reqs"  # the last retraction's count, set at prefill reports
 NUM_PAUSED_REQS = "num_paused_reqs"
 UTILIZATION = "utilization"
-NEW_TOKEN_RATIO = "new_token_ratio"
+NEW_TOKEN_RATIO = "new_token_ratio"  # the last prefill batch's admission ratio
 HICACHE_HOST_USED_TOKENS = "hicache_host_used_tokens"  # only with --enable-hierarchical-cache
 HICACHE_HOST_TOTAL_TOKENS = "hicache_host_total_tokens"  # only with --enable-hierarchical-cache
 # Constants, emitted once at start-up (emit_constants()).
@@ -105,7 +105,10 @@ PAGE_SIZE = "page_size"
 NUM_PAGES = "num_pages"
 CONTEXT_LEN = "context_len"
 # Scheduler counters / histograms.
+# increment_retracted_reqs, at each retraction (registered as `requests`, not `reqs`).
 NUM_RETRACTED_REQUESTS_TOTAL = "num_retracted_requests_total"
+NUM_RETRACTED_INPUT_TOKENS_TOTAL = "num_retracted_input_tokens_total"
+NUM_RETRACTED_OUTPUT_TOKENS_TOTAL = "num_retracted_output_tokens_total"
 REALTIME_TOKENS_TOTAL = "realtime_tokens_total"  # label mode
 QUEUE_TIME_SECONDS = "queue_time_seconds"
 
@@ -230,12 +233,17 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(SPEC_ACCEPT_LENGTH, "gauge", "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).", _S),
     MetricSpec(SPEC_ACCEPT_RATE, "gauge", "Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).", _S),
     MetricSpec(UTILIZATION, "gauge", "The utilization.", _S),
+    MetricSpec(NUM_RETRACTED_REQS, "gauge", "The number of retracted requests.", _S),
+    MetricSpec(NEW_TOKEN_RATIO, "gauge", "The new token ratio.", _S),
     MetricSpec(MAX_TOTAL_NUM_TOKENS, "gauge", "Maximum total number of tokens in the KV cache pool.", _S),
     MetricSpec(PAGE_SIZE, "gauge", "KV cache page size in tokens.", _S),
     MetricSpec(NUM_PAGES, "gauge", "Number of KV cache pages.", _S),
     MetricSpec(CONTEXT_LEN, "gauge", "Maximum context length.", _S),
     MetricSpec(HICACHE_HOST_USED_TOKENS, "gauge", "Number of tokens currently used in the host KV cache.", _S),
     MetricSpec(HICACHE_HOST_TOTAL_TOKENS, "gauge", "Total capacity of the host KV cache in tokens.", _S),
+    MetricSpec(NUM_RETRACTED_REQUESTS_TOTAL, "counter", "Total number of retracted requests.", _S),
+    MetricSpec(NUM_RETRACTED_INPUT_TOKENS_TOTAL, "counter", "Total number of retracted input tokens.", _S),
+    MetricSpec(NUM_RETRACTED_OUTPUT_TOKENS_TOTAL, "counter", "Total number of retracted output tokens.", _S),
     MetricSpec(QUEUE_TIME_SECONDS, "histogram", "Histogram of queueing time in seconds.", _S, QUEUE_TIME_BUCKETS),
     MetricSpec(EVICTED_TOKENS_TOTAL, "counter", "The number of device KV token slots freed by eviction, regardless of whether the data was backed up to host (see sglang:hicache_backup_tokens_total) or destroyed (see sglang:hicache_dropped_tokens_total).", (CACHE_TYPE,)),
     MetricSpec(LOAD_BACK_TOKENS_TOTAL, "counter", "The number of tokens loaded back from local host DRAM (L2) to GPU, by host pool (kv, swa, mamba, ...).", (CACHE_TYPE, POOL)),

@@ -265,3 +265,56 @@ async def test_http_replica_serves_the_published_gauges(start_sim, interval):
 
 async def _tick() -> None:
     await asyncio.sleep(0.01)
+
+
+# ---- retraction -----------------------------------------------------------------------------------
+def _samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def test_retractions_are_published_in_metrics_and_meta_info(start_sim):
+    """A 4,096-token pool over-admits eight requests: decode runs out of KV and retracts. The
+    counters count every retraction, the gauges are the published ones, and each request's
+    meta_info total_retractions says how often it was retracted."""
+    # a slower clock than FAST: the eight arrivals must land within a fraction of a model second
+    sim, url = await start_sim(TINY.model_copy(update={"max_total_num_tokens": 4096}), time_scale=10.0)
+    bodies = [{"text": tokenizer.synthetic_text(200, 400 + i),
+               "sampling_params": {"max_new_tokens": 900 + 37 * i, "ignore_eos": True}}
+              for i in range(8)]
+
+    async def post(s: aiohttp.ClientSession, body: dict) -> Any:
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 200
+            return await r.json()
+
+    async with aiohttp.ClientSession() as s:
+        outs = await asyncio.gather(*(post(s, b) for b in bodies))
+    retractions = [o["meta_info"]["total_retractions"] for o in outs]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [900 + 37 * i for i in range(8)]
+    model = sim.model
+    assert sum(retractions) == model.num_retracted_reqs_total > 0
+    _, text = await _get(url, "/metrics")
+    s = _samples(text)
+    assert s["sglang:num_retracted_requests_total"] == model.num_retracted_reqs_total
+    assert s["sglang:num_retracted_input_tokens_total"] == model.num_retracted_input_tokens_total > 0
+    assert s["sglang:num_retracted_output_tokens_total"] == model.num_retracted_output_tokens_total > 0
+    published = sim.published_metrics()
+    assert s["sglang:num_retracted_reqs"] == published.num_retracted_reqs
+    assert s["sglang:new_token_ratio"] == pytest.approx(published.new_token_ratio)
+    assert 0 < published.new_token_ratio <= 1
+    fams = _families(text)
+    assert fams["sglang:num_retracted_reqs"].documentation == "The number of retracted requests."
+    assert fams["sglang:num_retracted_requests"].type == "counter"
+    # the router still reads the exposition
+    assert parse_metrics_text(text).max_total_num_tokens == 4096
+
+
+async def test_no_retraction_counters_before_a_retraction(start_sim):
+    """prometheus_client shows a labelled counter from its first increment: none without a retraction."""
+    sim, url = await start_sim()
+    out = await _post(url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 5}})
+    assert out["meta_info"]["total_retractions"] == 0
+    _, text = await _get(url, "/metrics")
+    s = _samples(text)
+    assert "sglang:num_retracted_requests_total" not in s
+    assert s["sglang:num_retracted_reqs"] == 0.0

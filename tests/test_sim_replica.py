@@ -265,7 +265,9 @@ async def test_metrics_and_loads_parse(start_sim, hicache):
             assert fam.type == spec.type and fam.documentation == spec.help
             # A labelled counter shows no series before its first increment (prometheus_client).
             if spec.base not in (sg.NUM_ABORTED_REQUESTS_TOTAL, sg.EVICTED_TOKENS_TOTAL,
-                                 sg.LOAD_BACK_TOKENS_TOTAL):
+                                 sg.LOAD_BACK_TOKENS_TOTAL, sg.NUM_RETRACTED_REQUESTS_TOTAL,
+                                 sg.NUM_RETRACTED_INPUT_TOKENS_TOTAL,
+                                 sg.NUM_RETRACTED_OUTPUT_TOKENS_TOTAL):
                 assert fam.samples, spec.name()
             for sample in fam.samples:
                 assert set(spec.labels) <= set(sample.labels), (spec.name(), sample.labels)
