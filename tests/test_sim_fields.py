@@ -272,20 +272,29 @@ def _samples(text: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-async def test_retractions_are_published_in_metrics_and_meta_info(start_sim):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_retractions_are_published_in_metrics_and_meta_info(start_sim, stream):
     """A 4,096-token pool over-admits eight requests: decode runs out of KV and retracts. The
     counters count every retraction, the gauges are the published ones, and each request's
-    meta_info total_retractions says how often it was retracted."""
+    meta_info total_retractions says how often it was retracted (streamed: so far)."""
     # a slower clock than FAST: the eight arrivals must land within a fraction of a model second
     sim, url = await start_sim(TINY.model_copy(update={"max_total_num_tokens": 4096}), time_scale=10.0)
     bodies = [{"text": tokenizer.synthetic_text(200, 400 + i),
-               "sampling_params": {"max_new_tokens": 900 + 37 * i, "ignore_eos": True}}
+               "sampling_params": {"max_new_tokens": 900 + 37 * i, "ignore_eos": True},
+               "stream": stream}
               for i in range(8)]
 
     async def post(s: aiohttp.ClientSession, body: dict) -> Any:
         async with s.post(url + "/generate", json=body) as r:
             assert r.status == 200
-            return await r.json()
+            if not stream:
+                return await r.json()
+            chunks = [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+            counts = [c["meta_info"]["total_retractions"] for c in chunks]
+            assert counts == sorted(counts) and counts[0] == 0  # the count so far, in every chunk
+            if counts[-1]:  # retracted: chunks streamed after its re-prefill already say so
+                assert counts[-2] == counts[-1]
+            return chunks[-1]
 
     async with aiohttp.ClientSession() as s:
         outs = await asyncio.gather(*(post(s, b) for b in bodies))
