@@ -50,7 +50,7 @@ def limits_for_profile(name_or_path: str, context_len: int = DEFAULT_CONTEXT_LEN
 def limits_from_metrics(text: str, source: str) -> ReplicaLimits | None:
     """Limits read from an SGLang ``/metrics`` page (``max_total_num_tokens`` and ``context_len``
     gauges); None when the page does not carry them."""
-    from ..sglang_protocol import signals as sg
+    from ..sglang_protocol import metric_names as sg
 
     values: dict[str, float] = {}
     for line in text.splitlines():

@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import timing
-from .replica_signals import PoolState, PublishedLoads, PublishedMetrics
+from .replica_signals import PoolState, PublishedLoads, PublishedMetrics, RetractionState, SignalState
 
 if TYPE_CHECKING:
     from .replica_model import ReplicaModel
@@ -20,6 +20,25 @@ DECODE_STATE = 2  # replica_model's _DECODE (checked there)
 
 
 class PublishingMixin:
+    @property
+    def signals(self) -> SignalState:
+        return self._signal_state
+
+    @signals.setter
+    def signals(self: ReplicaModel, state: SignalState) -> None:
+        # ReplicaModel.__init__ assigns its SignalState here; the prefill report publishes the
+        # scheduler's retraction state, so the state reads it from the model.
+        state.retraction_state = self._retraction_state
+        self._signal_state = state
+
+    def _retraction_state(self: ReplicaModel) -> RetractionState:
+        return RetractionState(self.num_retracted_reqs_total, self.num_retracted_reqs, self.new_token_ratio)
+
+    def retractions_of(self: ReplicaModel, rid: str) -> int:
+        """How often the unfinished request `rid` was retracted so far (0 when unknown)."""
+        r = self._reqs.get(rid)
+        return r.retractions if r is not None else 0
+
     def published_metrics(self: ReplicaModel, now: float) -> PublishedMetrics:
         """The ``/metrics`` gauges as SGLang last set them (call advance(now) first)."""
         self._settle_idle(now)

@@ -8,6 +8,9 @@ SGLang never answers a scrape from its live state:
   prefill batch (``report_prefill_stats``), every ``decode_log_interval`` decode iterations
   (``report_decode_stats``) and, while fully idle, at most every 30 s (``_maybe_log_idle_metrics``).
   ``cache_hit_rate`` is the last prefill batch's and is reset to 0 at every decode report.
+  ``new_token_ratio`` (the prefill batch's admission ratio) and ``num_retracted_reqs`` (the last
+  retraction's count, then zeroed) are set only by the prefill report (``log_prefill_stats``);
+  the other reports repeat them.
 * ``/v1/loads`` reads a load snapshot written by ``publish_load_snapshot``: forced on every
   prefill batch result and on idle, else every ``load_snapshot_publish_interval`` decode results.
   Its throughput, hit rate and utilization come from the metrics stats above.
@@ -59,6 +62,17 @@ class PublishedMetrics:
     spec_accept_length: float
     spec_accept_rate: float
     utilization: float
+    new_token_ratio: float = 0.0  # SchedulerStats' default until the first prefill report
+    num_retracted_reqs: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class RetractionState:
+    """What the scheduler holds about retraction when it reports a prefill batch."""
+
+    retractions_total: int  # requests retracted so far
+    last_retraction: int  # requests retracted by the latest retraction
+    new_token_ratio: float  # the admission ratio now
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,6 +133,9 @@ class SignalState:
         self.decode_tokens_at_report = 0
         self.idle_since: float | None = 0.0
         self._stats_throughput = 0.0
+        # the scheduler's retraction state, read at prefill reports (bound by the replica model)
+        self.retraction_state: Callable[[], RetractionState] | None = None
+        self._retractions_reported = 0
         self.metrics = self._metrics(0.0, initial, 0.0, 0.0)
         self.loads = self._loads(0.0, initial)
 
@@ -138,7 +155,8 @@ class SignalState:
         return (p.spec_accept_length - 1.0) / (p.spec_verify_tokens - 1) if self.spec_on else 0.0
 
     def _metrics(self, t: float, s: PoolState, hit_rate: float, throughput: float,
-                 decode_sum: int | None = None, spec: bool = False) -> PublishedMetrics:
+                 decode_sum: int | None = None, spec: bool = False,
+                 retraction: tuple[float, int] | None = None) -> PublishedMetrics:
         usage = self._usage(s.num_used_tokens)
         prev = getattr(self, "metrics", None)
         if spec:
@@ -149,6 +167,8 @@ class SignalState:
             spec_len, spec_rate = 0.0, 0.0
         if decode_sum is None:
             decode_sum = prev.decode_sum_seq_lens if prev is not None else 0
+        if retraction is None:  # only the prefill report sets them; the stats object keeps them
+            retraction = (prev.new_token_ratio, prev.num_retracted_reqs) if prev is not None else (0.0, 0)
         return PublishedMetrics(
             time=t,
             num_running_reqs=s.num_running_reqs,
@@ -164,6 +184,8 @@ class SignalState:
             spec_accept_length=spec_len,
             spec_accept_rate=spec_rate,
             utilization=self._utilization(s.num_running_reqs, usage),
+            new_token_ratio=retraction[0],
+            num_retracted_reqs=retraction[1],
         )
 
     def _loads(self, t: float, s: PoolState) -> PublishedLoads:
@@ -201,9 +223,20 @@ class SignalState:
         self.loads_counter = 0
 
     def prefill_report(self, t: float, after: PoolState, hit_rate: float) -> None:
-        """report_prefill_stats: the batch's hit rate, queues and pools; throughput unchanged."""
-        self._log(t, self._metrics(t, after, hit_rate, self._stats_throughput))
+        """report_prefill_stats: the batch's hit rate, queues and pools; throughput unchanged;
+        the admission ratio, and the last retraction's count if one happened since the last
+        prefill report (the scheduler zeroes its count once logged)."""
+        self._log(t, self._metrics(t, after, hit_rate, self._stats_throughput,
+                                   retraction=self._take_retraction()))
         self._flush_kv()
+
+    def _take_retraction(self) -> tuple[float, int] | None:
+        if self.retraction_state is None:
+            return None
+        r = self.retraction_state()
+        retracted = r.last_retraction if r.retractions_total != self._retractions_reported else 0
+        self._retractions_reported = r.retractions_total
+        return r.new_token_ratio, retracted
 
     def decode_points(self, t0: float, dt: float, first: int, last: int,
                       state_at: Callable[[int], tuple[PoolState, int]]) -> None:

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
 )
 
-from ..sglang_protocol import signals as sg
+from ..sglang_protocol import metric_names as sg
 
 if TYPE_CHECKING:
     from .sim_replica import SimReplica
@@ -90,6 +90,9 @@ class SimCollector:
             sg.SPEC_ACCEPT_LENGTH: m.spec_accept_length,
             sg.SPEC_ACCEPT_RATE: m.spec_accept_rate,
             sg.UTILIZATION: m.utilization,
+            # set by the prefill report only (log_prefill_stats), repeated by the others
+            sg.NUM_RETRACTED_REQS: m.num_retracted_reqs,
+            sg.NEW_TOKEN_RATIO: m.new_token_ratio,
             sg.MAX_TOTAL_NUM_TOKENS: p.max_total_num_tokens,
             sg.PAGE_SIZE: p.page_size,
             sg.NUM_PAGES: p.max_total_num_tokens // p.page_size,
@@ -108,6 +111,10 @@ class SimCollector:
         }
         counters: dict[str, float] = {
             sg.NUM_ABORTED_REQUESTS_TOTAL: model.num_aborted_requests_total,
+            # increment_retracted_reqs, at each retraction: the series appears with the first
+            sg.NUM_RETRACTED_REQUESTS_TOTAL: model.num_retracted_reqs_total,
+            sg.NUM_RETRACTED_INPUT_TOKENS_TOTAL: model.num_retracted_input_tokens_total,
+            sg.NUM_RETRACTED_OUTPUT_TOKENS_TOTAL: model.num_retracted_output_tokens_total,
         }
         for spec in sg.METRIC_SPECS:
             name = spec.name()

@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..sglang_protocol import signals as sg
+from ..sglang_protocol import metric_names as sg
 from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
 from .profiles import Profile, load_profile

@@ -151,6 +151,13 @@ def native_finish(st: SimReq) -> dict[str, Any] | None:
     return {"type": "length", "length": st.output_len}
 
 
+def retractions(sim: SimReplica, st: SimReq) -> int:
+    """The request's retraction count so far (TokenizerManager: meta_info total_retractions)."""
+    if st.finished is not None:
+        return st.finished.retractions
+    return sim.model.retractions_of(st.rid)
+
+
 def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:
     """The /generate object after n output tokens; n=None: final (finished or aborted)."""
     final = n is None
@@ -164,7 +171,7 @@ def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:
         "finish_reason": native_finish(st) if final else None,
         "prompt_tokens": st.prompt_len,
         "weight_version": WEIGHT_VERSION,
-        "total_retractions": 0,  # per-request retractions are not tracked by the model
+        "total_retractions": retractions(sim, st),
         "completion_tokens": n,
         "cached_tokens": st.cached_tokens,
     }

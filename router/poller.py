@@ -16,7 +16,8 @@ import aiohttp
 import orjson
 
 from ..metrics.router_metrics import RouterMetrics
-from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_loads_json, parse_metrics_text
+from ..sglang_protocol.loads import parse_loads_json
+from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_metrics_text
 from .config import SignalsConfig
 from .replicas import ReplicaRegistry
 

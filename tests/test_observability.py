@@ -1,5 +1,5 @@
 """metrics/: the Grafana dashboard only queries metrics that exist (the router's registry or
-SGLang's names in sglang_protocol/signals.py), and the alert rules pass `promtool check rules` and the
+SGLang's names in sglang_protocol/metric_names.py), and the alert rules pass `promtool check rules` and the
 `promtool test rules` unit tests. Every dashboard query is also parsed by promtool."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvrouter.metrics.router_metrics import RouterMetrics
-from kvrouter.sglang_protocol.signals import METRIC_SPECS, PREFIXES
+from kvrouter.sglang_protocol.metric_names import METRIC_SPECS, PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "metrics" / "kvrouter-dashboard.json"

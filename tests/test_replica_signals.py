@@ -3,6 +3,7 @@
 refresh; /v1/loads every load_snapshot_publish_interval decode steps, on prefill and on idle; KV
 events at the stats reports and on idle."""
 
+import dataclasses
 import random
 
 import pytest
@@ -194,3 +195,36 @@ def test_cluster_signals_are_the_published_gauges():
     assert model.load(t).num_running_reqs == 1
     assert signals.num_used_tokens == published.num_used_tokens
     assert signals.cache_hit_rate == published.cache_hit_rate
+
+
+def test_retraction_gauges_are_set_at_prefill_reports_only():
+    """SGLang's log_prefill_stats publishes the admission ratio (new_token_ratio) and the last
+    retraction's count (num_retracted_reqs, then zeroed for the next report); decode and idle
+    reports repeat the last values."""
+    tiny = load_profile("tiny").model_copy(update={"max_total_num_tokens": 4096})
+    model = ReplicaModel(tiny)
+    assert model.signals.metrics.new_token_ratio == 0.0  # SchedulerStats' default before a report
+    reports = []  # (ratio, retractions so far, last retraction's count) at each prefill report
+    original = model.signals.prefill_report
+
+    def spy(*args, **kwargs):
+        reports.append((model.new_token_ratio, model.num_retracted_reqs_total, model.num_retracted_reqs))
+        original(*args, **kwargs)
+        published = model.signals.metrics
+        seen_before = reports[-2][1] if len(reports) > 1 else 0
+        expected = reports[-1][2] if reports[-1][1] != seen_before else 0
+        assert (published.new_token_ratio, published.num_retracted_reqs) == (reports[-1][0], expected)
+
+    model.signals.prefill_report = spy
+    for i in range(8):
+        req, _ = request(f"r{i}", 200, 900 + 37 * i, seed=400 + i)
+        model.submit(dataclasses.replace(req, max_new_tokens=req.output_len), 0.0)
+    published = []
+    while (t := model.next_event_time()) is not None:
+        model.advance(t)
+        m = model.published_metrics(t)
+        published.append(m.num_retracted_reqs)
+        if reports:  # decode reports in between carry the last prefill report's values
+            assert m.new_token_ratio == reports[-1][0]
+    assert model.num_retracted_reqs_total > 0
+    assert max(published) > 0 and published[-1] == 0

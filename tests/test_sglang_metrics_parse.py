@@ -2,13 +2,9 @@
 
 import pytest
 
-from kvrouter.sglang_protocol import signals as sg
-from kvrouter.sglang_protocol.signals import (
-    ReplicaSignals,
-    SignalParseError,
-    parse_loads_json,
-    parse_metrics_text,
-)
+from kvrouter.sglang_protocol import metric_names as sg
+from kvrouter.sglang_protocol.loads import parse_loads_json
+from kvrouter.sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_metrics_text
 
 L = 'engine_type="unified",model_name="kimi",moe_ep_rank="0",pp_rank="0"'
 

@@ -15,7 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.profiles import load_profile
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
-from kvrouter.sglang_protocol import signals as sg
+from kvrouter.sglang_protocol import metric_names as sg
+from kvrouter.sglang_protocol.loads import parse_loads_json
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 FAST = 200.0
 TINY = load_profile("tiny")  # has speculative decoding (accept 2.5 of 4)
@@ -85,7 +87,7 @@ async def test_v1_loads_default_is_every_section_without_a_rank_timestamp(start_
     _, queues = await _get(url, "/v1/loads?include=queues")
     assert "queues" in queues["loads"][0] and "memory" not in queues["loads"][0]
     # the router's parser takes the shape without a timestamp (the poller stamps its own)
-    signals = sg.parse_loads_json(body)
+    signals = parse_loads_json(body)
     assert signals.max_total_num_tokens == TINY.max_total_num_tokens
     assert signals.num_running_reqs == 0
 
@@ -158,7 +160,7 @@ async def test_tokenizer_metrics_carry_is_streaming(start_sim):
     gauges = {n: fams["sglang:" + n].samples[0].value
               for n in ("spec_accept_length", "spec_accept_rate", "utilization")}
     assert gauges == {"spec_accept_length": 0.0, "spec_accept_rate": 0.0, "utilization": 0.0}
-    sg.parse_metrics_text(text, strict=True)  # the router still parses the whole page
+    parse_metrics_text(text, strict=True)  # the router still parses the whole page
 
 
 @pytest.mark.parametrize("hicache", [False, True])
@@ -183,7 +185,7 @@ async def test_radix_cache_counters_carry_cache_type(start_sim, hicache):
         assert load_back[0].value == sim.model.load_back_tokens_total > 0
     else:
         assert load_back == []
-    assert sg.parse_metrics_text(page, strict=True).num_running_reqs == 0
+    assert parse_metrics_text(page, strict=True).num_running_reqs == 0
 
 
 # ---- /generate and OpenAI usage -------------------------------------------------------------------
@@ -263,3 +265,65 @@ async def test_http_replica_serves_the_published_gauges(start_sim, interval):
 
 async def _tick() -> None:
     await asyncio.sleep(0.01)
+
+
+# ---- retraction -----------------------------------------------------------------------------------
+def _samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_retractions_are_published_in_metrics_and_meta_info(start_sim, stream):
+    """A 4,096-token pool over-admits eight requests: decode runs out of KV and retracts. The
+    counters count every retraction, the gauges are the published ones, and each request's
+    meta_info total_retractions says how often it was retracted (streamed: so far)."""
+    # a slower clock than FAST: the eight arrivals must land within a fraction of a model second
+    sim, url = await start_sim(TINY.model_copy(update={"max_total_num_tokens": 4096}), time_scale=10.0)
+    bodies = [{"text": tokenizer.synthetic_text(200, 400 + i),
+               "sampling_params": {"max_new_tokens": 900 + 37 * i, "ignore_eos": True},
+               "stream": stream}
+              for i in range(8)]
+
+    async def post(s: aiohttp.ClientSession, body: dict) -> Any:
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 200
+            if not stream:
+                return await r.json()
+            chunks = [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+            counts = [c["meta_info"]["total_retractions"] for c in chunks]
+            assert counts == sorted(counts) and counts[0] == 0  # the count so far, in every chunk
+            if counts[-1]:  # retracted: chunks streamed after its re-prefill already say so
+                assert counts[-2] == counts[-1]
+            return chunks[-1]
+
+    async with aiohttp.ClientSession() as s:
+        outs = await asyncio.gather(*(post(s, b) for b in bodies))
+    retractions = [o["meta_info"]["total_retractions"] for o in outs]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [900 + 37 * i for i in range(8)]
+    model = sim.model
+    assert sum(retractions) == model.num_retracted_reqs_total > 0
+    _, text = await _get(url, "/metrics")
+    s = _samples(text)
+    assert s["sglang:num_retracted_requests_total"] == model.num_retracted_reqs_total
+    assert s["sglang:num_retracted_input_tokens_total"] == model.num_retracted_input_tokens_total > 0
+    assert s["sglang:num_retracted_output_tokens_total"] == model.num_retracted_output_tokens_total > 0
+    published = sim.published_metrics()
+    assert s["sglang:num_retracted_reqs"] == published.num_retracted_reqs
+    assert s["sglang:new_token_ratio"] == pytest.approx(published.new_token_ratio)
+    assert 0 < published.new_token_ratio <= 1
+    fams = _families(text)
+    assert fams["sglang:num_retracted_reqs"].documentation == "The number of retracted requests."
+    assert fams["sglang:num_retracted_requests"].type == "counter"
+    # the router still reads the exposition
+    assert parse_metrics_text(text).max_total_num_tokens == 4096
+
+
+async def test_no_retraction_counters_before_a_retraction(start_sim):
+    """prometheus_client shows a labelled counter from its first increment: none without a retraction."""
+    sim, url = await start_sim()
+    out = await _post(url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 5}})
+    assert out["meta_info"]["total_retractions"] == 0
+    _, text = await _get(url, "/metrics")
+    s = _samples(text)
+    assert "sglang:num_retracted_requests_total" not in s
+    assert s["sglang:num_retracted_reqs"] == 0.0

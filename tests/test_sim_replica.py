@@ -28,7 +28,9 @@ from kvrouter.loadtest.sim_replica import SimReplica
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.sglang_protocol import block_hash as bh
 from kvrouter.sglang_protocol import kv_events as kve
-from kvrouter.sglang_protocol import signals as sg
+from kvrouter.sglang_protocol import metric_names as sg
+from kvrouter.sglang_protocol.loads import parse_loads_json
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 FAST = 200.0  # model seconds per wall second
 PS = 16  # tiny profile page size
@@ -263,7 +265,9 @@ async def test_metrics_and_loads_parse(start_sim, hicache):
             assert fam.type == spec.type and fam.documentation == spec.help
             # A labelled counter shows no series before its first increment (prometheus_client).
             if spec.base not in (sg.NUM_ABORTED_REQUESTS_TOTAL, sg.EVICTED_TOKENS_TOTAL,
-                                 sg.LOAD_BACK_TOKENS_TOTAL):
+                                 sg.LOAD_BACK_TOKENS_TOTAL, sg.NUM_RETRACTED_REQUESTS_TOTAL,
+                                 sg.NUM_RETRACTED_INPUT_TOKENS_TOTAL,
+                                 sg.NUM_RETRACTED_OUTPUT_TOKENS_TOTAL):
                 assert fam.samples, spec.name()
             for sample in fam.samples:
                 assert set(spec.labels) <= set(sample.labels), (spec.name(), sample.labels)
@@ -281,7 +285,7 @@ async def test_metrics_and_loads_parse(start_sim, hicache):
         cached = {s.labels["cache_source"]: s.value for s in families["sglang:cached_tokens"].samples}
         assert cached["device"] > 0
 
-        signals = sg.parse_metrics_text(text, strict=True)
+        signals = parse_metrics_text(text, strict=True)
         assert signals.max_total_num_tokens == 20480
         assert signals.num_running_reqs == 0 and signals.num_queue_reqs == 0
         assert signals.kv_evictable_tokens > 0
@@ -291,7 +295,7 @@ async def test_metrics_and_loads_parse(start_sim, hicache):
         async with s.get(url + "/v1/loads") as r:
             loads = await r.json()
         assert loads["loads"][0]["max_total_num_tokens"] == 20480
-        assert sg.parse_loads_json(loads).max_total_num_tokens == 20480
+        assert parse_loads_json(loads).max_total_num_tokens == 20480
         async with s.get(url + "/v1/loads?include=all") as r:
             full = await r.json()
         assert full["loads"][0]["memory"]["token_capacity"] == 20480
@@ -299,10 +303,10 @@ async def test_metrics_and_loads_parse(start_sim, hicache):
             assert r.status == 400 and "detail" in await r.json()
         async with s.get(url + "/v1/loads?format=prometheus&include=all") as r:
             prom = await r.text()
-        assert sg.parse_metrics_text(prom, strict=True).max_total_num_tokens == 20480
+        assert parse_metrics_text(prom, strict=True).max_total_num_tokens == 20480
         async with s.get(url + "/get_load") as r:
             legacy = await r.json()
-        assert isinstance(legacy, list) and sg.parse_loads_json(legacy).num_running_reqs == 0
+        assert isinstance(legacy, list) and parse_loads_json(legacy).num_running_reqs == 0
         async with s.get(url + "/server_info") as r:
             info = await r.json()
         assert info["max_total_num_tokens"] == 20480 and info["page_size"] == PS
@@ -344,7 +348,7 @@ async def test_client_disconnect_mid_stream_aborts_in_model(start_sim):
     assert sim.model.num_requests_total == 0
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
-            signals = sg.parse_metrics_text(await r.text())
+            signals = parse_metrics_text(await r.text())
             assert signals.num_running_reqs == 0
 
 
