@@ -135,9 +135,12 @@ class UsageLearner:
         diff = report.cached_tokens - predicted
         if abs(diff) < block:
             return
-        estimate = max(index.cached_tokens(replica) + diff, report.prompt_tokens, block)
+        held = index.cached_tokens(replica)
+        estimate = max(held + diff, report.prompt_tokens, block)
         est = self._capacity.get(replica)
         current = est.value if est is not None else index.capacity_tokens(replica)
+        if diff < 0 and est is None:
+            current = min(current, held)  # it evicted while holding less than the index does
         if (diff < 0) != (estimate < current):
             return  # a miss never raises the estimate, a surplus never lowers it
         if est is None:
