@@ -135,10 +135,11 @@ class Handlers:
         if self.tokenize_pool is not None:
             found = await self.tokenize_pool.run(route, parsed)
             exact = lambda _route, _body: found  # noqa: E731
+        learner = self.relay.engine.learner
         model = parsed.get("model")
-        bpt = self.relay.engine.learner.bytes_per_token(model if isinstance(model, str) else None) \
-            if self.relay.engine.learner is not None else BYTES_PER_TOKEN
-        return summarize_counted(route, parsed, headers, self.config.routing, exact, bpt)
+        bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(
+            model if isinstance(model, str) else None)
+        return summarize_counted(route, parsed, headers, self.config.routing, exact, bytes_per_token)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:
