@@ -4,6 +4,7 @@ be read (counted, never breaking a response). Real servers on 127.0.0.1, the rea
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -207,3 +208,43 @@ async def test_garbage_usage_is_counted_and_relayed_untouched(start_app, start_r
     status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert status == 200 and got == b'{"usage": {"prompt_tokens": 1'
     assert _sample(router, "kvrouter_usage_ignored_total", reason="garbage") == 1
+
+
+async def test_generate_usage_read_from_body_and_stream_end(start_app, start_router) -> None:
+    sim_url = await start_app(build_app("tiny", time_scale=200.0))
+    router, url = await start_router([sim_url])
+    body = {"text": tokenizer.synthetic_text(400, seed=5), "sampling_params": {"max_new_tokens": 3}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/generate", json=body) as r:
+            first = (await r.json())["meta_info"]
+        async with s.post(url + "/generate", json={**body, "stream": True}) as r:
+            streamed = await r.read()
+    assert first["cached_tokens"] == 0 and b'"meta_info"' in streamed
+    last = [ln for ln in streamed.split(b"\n\n") if b"meta_info" in ln][-1]
+    cached = orjson.loads(last[len(b"data: "):])["meta_info"]["cached_tokens"]
+    assert cached > 0
+    assert _sample(router, "kvrouter_cached_tokens_reported_total", replica=sim_url) == cached
+    assert _sample(router, "kvrouter_cache_prediction_error_ratio_count") == 2
+
+
+async def test_usage_event_split_across_reads_is_still_taken_out(start_app, start_router) -> None:
+    usage_event = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":20,"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
+    content = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(content + usage_event[:30])
+        await asyncio.sleep(0.01)  # a second read on the router's side, most likely
+        await resp.write(usage_event[30:] + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post(CHAT, chat)
+    up = await start_app(app)
+    router, url = await start_router([up])
+    status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert status == 200 and got == content + b"data: [DONE]\n\n"
+    assert _sample(router, "kvrouter_cached_tokens_reported_total", replica=up) == 4
