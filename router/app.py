@@ -88,6 +88,8 @@ class Router:
         self.table = SessionTable(config.routing.session_ttl_s, max_sessions=config.affinity.max_sessions,
                                   on_evict=evicted.labels("memory").inc)
         learn = config.learning
+        if isinstance(self.index, ShadowKVIndex):
+            self.index.learnt_below_reported = learn.learnt_capacity == "always"
         self.learner = UsageLearner(
             block_chars=config.routing.block_chars, weight=learn.ewma_weight, calibrate=learn.calibrate,
             index=self.index if isinstance(self.index, ShadowKVIndex) else None, metrics=self.metrics,

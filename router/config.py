@@ -173,6 +173,11 @@ class LearningConfig(_Strict):
         True, description="Learn bytes per token per model and replica from the reported prompt "
         "tokens (off: a fixed 4 bytes per token).",
     )
+    learnt_capacity: Literal["unreported", "always"] = Field(
+        "unreported", description="Where the KV capacity learnt from reported cache misses bounds "
+        "the shadow index: only for replicas that report no max_total_num_tokens, or for every "
+        "replica (the lower of the two: running requests and outputs share the reported pool).",
+    )
     ewma_weight: float = Field(
         0.1, gt=0, le=1, description="Weight of each new report in the bytes-per-token and "
         "effective-capacity estimates.",

@@ -36,14 +36,17 @@ class ShadowKVIndex:
         self._reported_tokens: dict[str, int] = {}  # max_total_num_tokens, as the replica reports it
         self._learned_tokens: dict[str, int] = {}  # else its effective capacity, learnt
         self._replica_block_tokens: dict[str, float] = {}  # calibrated; else `block_tokens`
+        self.learnt_below_reported = False  # a learnt capacity lower than the reported one wins
 
     def block_tokens_of(self, replica: str) -> float:
         return self._replica_block_tokens.get(replica, self.block_tokens)
 
     def capacity_tokens(self, replica: str) -> int:
         """The capacity the index bounds the replica's blocks by, in tokens."""
-        return self._reported_tokens.get(replica) or self._learned_tokens.get(
-            replica, self.default_capacity_tokens)
+        reported, learnt = self._reported_tokens.get(replica), self._learned_tokens.get(replica)
+        if reported and learnt and self.learnt_below_reported:
+            return min(reported, learnt)
+        return reported or learnt or self.default_capacity_tokens
 
     def _resize(self, replica: str) -> None:
         blocks = int(self.capacity_tokens(replica) / self.block_tokens_of(replica))
@@ -56,7 +59,8 @@ class ShadowKVIndex:
 
     def set_learned_capacity(self, replica: str, tokens: int) -> None:
         """An effective capacity learnt from the replica's reported cache hits: it bounds the
-        replica's blocks only while the replica reports no max_total_num_tokens."""
+        replica's blocks while the replica reports no max_total_num_tokens (or, with
+        `learnt_below_reported`, when it is the lower)."""
         self._learned_tokens[replica] = max(1, tokens)
         self._resize(replica)
 

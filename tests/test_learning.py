@@ -95,6 +95,8 @@ def test_a_reported_surplus_raises_the_learnt_capacity() -> None:
     # a replica that reports its capacity keeps it: the learnt one only stands in for it
     index.set_capacity("r", 50_000)
     assert index.capacity_tokens("r") == 50_000
+    index.learnt_below_reported = True  # learning.learnt_capacity: always
+    assert index.capacity_tokens("r") < 6400
 
 
 async def test_reported_misses_trim_the_index_as_the_engine_evicted(start_app, start_router) -> None:
