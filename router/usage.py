@@ -12,6 +12,7 @@ caller counts, and the response goes on unchanged.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # compact JSON. Inside a JSON string the quotes would be escaped, so content never matches.
 USAGE_EVENT_MARKER = b'"choices":[]'
 _MAX_TOKENS = 1 << 40
+log = logging.getLogger("kvrouter.usage")
 
 if TYPE_CHECKING:
     from .placement import Placement
@@ -197,9 +199,13 @@ class UsageAccount:
         self.report: UsageReport | str | None = None
 
     def _give(self, report: UsageReport | str) -> None:
-        if self.placement is not None and self.route in _USAGE_ROUTES:
-            self.placement.reported(report, self.prompt_bytes)
-            self.placement = None  # once per request
+        placement, self.placement = self.placement, None  # once per request
+        if placement is None or self.route not in _USAGE_ROUTES:
+            return
+        try:
+            placement.reported(report, self.prompt_bytes)
+        except Exception:  # learning is a side job: a fault in it never fails a response
+            log.exception("learning from %s's reported usage failed", placement.url)
 
     def read_body(self, payload: bytes) -> None:
         if self.placement is not None and self.route in _USAGE_ROUTES:

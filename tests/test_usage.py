@@ -248,3 +248,17 @@ async def test_usage_event_split_across_reads_is_still_taken_out(start_app, star
     status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
     assert status == 200 and got == content + b"data: [DONE]\n\n"
     assert _sample(router, "kvrouter_cached_tokens_reported_total", replica=up) == 4
+
+
+async def test_a_fault_in_learning_never_fails_the_response(start_app, start_router, monkeypatch) -> None:
+    app, _, sent = _usage_upstream({"prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 0}})
+    router, url = await start_router([await start_app(app)])
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("learner bug")
+
+    monkeypatch.setattr(router.learner, "observe", broken)
+    status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 200 and orjson.loads(got)["usage"]["prompt_tokens"] == 20
+    status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert status == 200 and got == b"".join(e for e in sent if b'"choices":[]' not in e)
