@@ -89,16 +89,18 @@ class UsageLearner:
         report: UsageReport,
         *,
         prompt_bytes: int,
-        predicted_cached: int,
+        predicted_cached: int | None,
         prefix_blocks: Sequence[int],
     ) -> None:
         """One response's usage. `prompt_bytes`: the prompt text's size (0 when the prompt was
         token ids or tokenized exactly: nothing to calibrate); `predicted_cached`: the index's
-        cached-token estimate for this replica when the request was placed."""
+        cached-token estimate for this replica when the request was placed (None: none made)."""
         if self.calibrate and prompt_bytes >= MIN_CALIBRATION_BYTES and report.prompt_tokens > 0:
             self._calibrate(replica, model, prompt_bytes / report.prompt_tokens)
         if report.cached_tokens is None:
             self.ignored("no_cache_report")
+            return
+        if predicted_cached is None:
             return
         m = self.metrics
         if m is not None:

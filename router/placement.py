@@ -255,9 +255,11 @@ class Placement:
             learner.ignored(usage)
             return
         url = self.url
+        # A hinted target skipped the index match: there is no prediction to compare with.
+        predicted = None if self.target is not None else min(
+            usage.prompt_tokens, self.summary.cached_tokens.get(url, 0))
         learner.observe(url, self.summary.model, usage, prompt_bytes=prompt_bytes,
-                        predicted_cached=min(usage.prompt_tokens, self.summary.cached_tokens.get(url, 0)),
-                        prefix_blocks=self.summary.prefix_blocks)
+                        predicted_cached=predicted, prefix_blocks=self.summary.prefix_blocks)
 
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so

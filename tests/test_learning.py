@@ -125,3 +125,16 @@ async def test_reported_misses_trim_the_index_as_the_engine_evicted(start_app, s
     predicted = reg.get_sample_value("kvrouter_cached_tokens_predicted_total", {"replica": up})
     assert predicted > 0 and reg.get_sample_value("kvrouter_cached_tokens_reported_total", {"replica": up}) == 0
     assert reg.get_sample_value("kvrouter_cache_prediction_error_ratio_bucket", {"le": "-0.5"}) >= 1
+
+
+async def test_a_hinted_target_has_no_prediction_to_learn_from(start_app, start_router) -> None:
+    up = await start_app(_replica({"m": 2.0}, cached=500))
+    router, url = await start_router([up], routing={"allow_target_hint": True})
+    body = {"model": "m", "messages": [{"role": "user", "content": _text(4000, seed=7)}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json=body, headers={"x-smg-target-worker": up}) as r:
+            assert r.status == 200
+    reg = router.metrics.registry
+    assert reg.get_sample_value("kvrouter_cache_prediction_error_ratio_count") == 0
+    assert router.index.capacity_tokens(up) == router.index.default_capacity_tokens
+    assert router.learner.bytes_per_token("m") < 4.0  # its prompt size still calibrates
