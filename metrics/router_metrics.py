@@ -13,6 +13,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 # Time-to-first-byte spans a warm turn (tens of ms) to a cold 100k-token prefill behind a queue.
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
+PREDICTION_ERROR_BUCKETS = (-1, -0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400, 1000)
 
 
@@ -114,6 +115,38 @@ class RouterMetrics:
         )
         self.prompt_tokens = Counter(
             "kvrouter_prompt_tokens_total", "Estimated prompt tokens routed.", registry=r
+        )
+        # What replicas report with each response (router/usage.py, router/learning.py).
+        self.cached_predicted = Counter(
+            "kvrouter_cached_tokens_predicted_total",
+            "Cached prompt tokens the index predicted, over responses whose replica reported its own.",
+            ["replica"],
+            registry=r,
+        )
+        self.cached_reported = Counter(
+            "kvrouter_cached_tokens_reported_total",
+            "Cached prompt tokens replicas reported (usage.prompt_tokens_details / meta_info).",
+            ["replica"],
+            registry=r,
+        )
+        self.cache_prediction_error = Histogram(
+            "kvrouter_cache_prediction_error_ratio",
+            "Per response: (reported - predicted cached tokens) / reported prompt tokens.",
+            buckets=PREDICTION_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.bytes_per_token = Gauge(
+            "kvrouter_bytes_per_token",
+            "Calibrated prompt bytes per reported prompt token (starts at 4).",
+            ["model"],
+            registry=r,
+        )
+        self.usage_ignored = Counter(
+            "kvrouter_usage_ignored_total",
+            "Responses whose usage was not learnt from, by reason (missing, garbage, negative, "
+            "no_cache_report, batch, unbuffered).",
+            ["reason"],
+            registry=r,
         )
         self.affinity_errors = Counter(
             "kvrouter_affinity_store_errors_total",

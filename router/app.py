@@ -32,6 +32,7 @@ from .kv_index_exact import ExactKVIndex, request_blocks
 from .kv_events_subscriber import KVEventSubscriber
 from .kv_index import KVIndex
 from .kv_index_shadow import ShadowKVIndex
+from .learning import UsageLearner
 from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
 from .poller import SignalPoller
@@ -86,9 +87,16 @@ class Router:
         evicted = self.metrics.sessions_evicted
         self.table = SessionTable(config.routing.session_ttl_s, max_sessions=config.affinity.max_sessions,
                                   on_evict=evicted.labels("memory").inc)
+        learn = config.learning
+        if isinstance(self.index, ShadowKVIndex):
+            self.index.learnt_below_reported = learn.learnt_capacity == "always"
+        self.learner = UsageLearner(
+            block_chars=config.routing.block_chars, weight=learn.ewma_weight, calibrate=learn.calibrate,
+            index=self.index if isinstance(self.index, ShadowKVIndex) else None, metrics=self.metrics,
+        )
         self.engine = RoutingEngine(
             policy, self.registry, self.index, self.table, rng or random.Random(),
-            metrics=self.metrics,
+            metrics=self.metrics, learner=self.learner,
         )
         # The replica set at run time, and the running config (`self.config`) it reloads.
         self.membership = Membership(config, self.engine, self.metrics, clock,

@@ -162,6 +162,28 @@ class RoutingConfig(_Strict):
     target_hint_field: str = Field("target_worker", description="Body field naming the replica URL.")
 
 
+class LearningConfig(_Strict):
+    """What the router learns from the usage replicas report with every response."""
+
+    inject_stream_usage: bool = Field(
+        True, description="Ask for the usage event on OpenAI streams whose client did not "
+        "(`stream_options.include_usage`) and drop that one event before the client sees it.",
+    )
+    calibrate: bool = Field(
+        True, description="Learn bytes per token per model and replica from the reported prompt "
+        "tokens (off: a fixed 4 bytes per token).",
+    )
+    learnt_capacity: Literal["unreported", "always"] = Field(
+        "unreported", description="Where the KV capacity learnt from reported cache misses bounds "
+        "the shadow index: only for replicas that report no max_total_num_tokens, or for every "
+        "replica (the lower of the two: running requests and outputs share the reported pool).",
+    )
+    ewma_weight: float = Field(
+        0.1, gt=0, le=1, description="Weight of each new report in the bytes-per-token and "
+        "effective-capacity estimates.",
+    )
+
+
 class KVEventEndpoint(_Strict):
     endpoint: str = Field(..., description="ZMQ endpoint of the replica's KV-event PUB socket, e.g. tcp://10.0.0.5:5557.")
     replay_endpoint: str | None = Field(None, description="ZMQ endpoint of its replay ROUTER socket, if any.")
@@ -304,6 +326,7 @@ class RouterConfig(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     signals: SignalsConfig = SignalsConfig()
     routing: RoutingConfig = RoutingConfig()
+    learning: LearningConfig = LearningConfig()
     affinity: AffinityConfig = AffinityConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
     admin: AdminConfig = AdminConfig()

@@ -21,6 +21,7 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import Decision, Policy, RequestSummary, SessionView
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .kv_index import KVIndex
+from .learning import UsageLearner
 from .placement import Placement, RequestRoute, SessionStore
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
@@ -44,7 +45,9 @@ class RoutingEngine:
         match_limit: int = 32,
         default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
         metrics: RouterMetrics | None = None,
+        learner: UsageLearner | None = None,
     ) -> None:
+        self.learner = learner  # learns from reported usage (live router); None: nothing learnt
         self.metrics = metrics  # the live router's (decisions, in-flight, cached tokens); None in the simulator
         self.default_capacity_tokens = default_capacity_tokens  # until a replica reports its own
         self.match_limit = match_limit  # policies see the deepest prefix holders, not all of them

@@ -18,7 +18,8 @@ from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .relay import Relay
 from .replicas import ReplicaRegistry
-from .summary import ExactBlocks, summarize
+from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize_counted
+from .usage import ask_stream_usage
 from .tokenizers import TokenizePool
 
 
@@ -113,19 +114,32 @@ class Handlers:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
-        summary = await self.summarize_request(route, parsed, request.headers)
-        return await self.relay.forward(request, body, summary, request_id, target)
+        drop_usage = self.config.learning.inject_stream_usage and ask_stream_usage(route, parsed)
+        if drop_usage:
+            body = orjson.dumps(parsed)  # parsed, hence nested at most as deep as orjson writes
+        summary, text_bytes = await self._summarize(route, parsed, request.headers)
+        return await self.relay.forward(request, body, summary, request_id, target,
+                                        prompt_bytes=text_bytes, drop_usage=drop_usage)
 
     async def summarize_request(
         self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
     ) -> RequestSummary:
         """What the policy needs of a request; with the exact KV index, its block hashes are
         computed in the tokenizer pool (None there, or a full pool: no exact match)."""
+        return (await self._summarize(route, parsed, headers))[0]
+
+    async def _summarize(
+        self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
+    ) -> tuple[RequestSummary, int]:
         exact = self._exact_blocks
         if self.tokenize_pool is not None:
             found = await self.tokenize_pool.run(route, parsed)
             exact = lambda _route, _body: found  # noqa: E731
-        return summarize(route, parsed, headers, self.config.routing, exact)
+        learner = self.relay.engine.learner
+        model = parsed.get("model")
+        bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(
+            model if isinstance(model, str) else None)
+        return summarize_counted(route, parsed, headers, self.config.routing, exact, bytes_per_token)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:

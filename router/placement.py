@@ -16,7 +16,8 @@ claimed once per request (on its first placement); a retry that lands elsewhere 
 
 Outcome calls keep the replica's health and the retry counters with the routing, so the relay
 only sends, retries and streams: `unreachable(kind)` (never got the request), `timed_out(kind)`,
-`answered()` (a response head came back), `refused(status)` (a 502/503 that goes elsewhere).
+`answered()` (a response head came back), `refused(status)` (a 502/503 that goes elsewhere),
+`reported(usage)` (the usage the replica reported with its answer, for the engine's learner).
 `RequestRoute` (from `RoutingEngine.route`) wraps a request's placements in its session:
 acquired on entry, ended exactly once on exit.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..policies.domain import Decision, RequestSummary, SessionView
+from .usage import UsageReport
 
 if TYPE_CHECKING:
     from .engine import RoutingEngine
@@ -243,6 +245,23 @@ class Placement:
             cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
             if cached:
                 m.est_cached_tokens.inc(cached)
+
+    def reported(self, usage: UsageReport | str, prompt_bytes: int = 0) -> None:
+        """The replica's usage for this request (router/usage.py), or why there is none: the
+        engine's learner calibrates and corrects the KV index from it. `prompt_bytes`: the
+        prompt text's size (0: nothing to calibrate)."""
+        learner = self.engine.learner
+        if learner is None:
+            return
+        if isinstance(usage, str):
+            learner.ignored(usage)
+            return
+        url = self.url
+        # A hinted target skipped the index match: there is no prediction to compare with.
+        predicted = None if self.target is not None else min(
+            usage.prompt_tokens, self.summary.cached_tokens.get(url, 0))
+        learner.observe(url, self.summary.model, usage, prompt_bytes=prompt_bytes,
+                        predicted_cached=predicted, prefix_blocks=self.summary.prefix_blocks)
 
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so

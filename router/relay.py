@@ -26,6 +26,7 @@ from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import RequestRoute
+from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
 from .upstream_http import (
     UpstreamBodyError,
     UpstreamConnectError,
@@ -149,16 +150,22 @@ class Relay:
         summary: RequestSummary,
         request_id: str,
         target: str | None = None,
+        *,
+        prompt_bytes: int = 0,
+        drop_usage: bool = False,
     ) -> web.StreamResponse:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
-        a routing hint) bypasses the policy."""
+        a routing hint) bypasses the policy. The replica's reported usage goes to the placement
+        (`prompt_bytes`: the prompt text's size, for calibration); `drop_usage`: the router
+        asked for the stream's usage event, so the client does not get it."""
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
         try:
             async with self.engine.route(summary, self.affinity, target) as route:
-                return await self._attempts(request, body, route, request_id)
+                return await self._attempts(request, body, route, request_id,
+                                            UsageAccount(request.path, prompt_bytes, drop_usage))
         except asyncio.CancelledError:
             if not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
@@ -174,6 +181,7 @@ class Relay:
         body: bytes,
         route: RequestRoute,
         request_id: str,
+        usage: UsageAccount,
     ) -> web.StreamResponse:
         """Send to each placement in turn (router/placement.py) until a replica takes the
         request; retries only before the first byte reaches the client. What each attempt
@@ -216,7 +224,8 @@ class Relay:
                     continue
                 if upstream.status < 300:  # only a request it serves leaves its prompt cached
                     current.accepted()
-                return await self._relay(request, upstream, url, request_id, sent)
+                usage.placement = current if 200 <= upstream.status < 300 else None
+                return await self._relay(request, upstream, url, request_id, sent, usage)
             finally:
                 current.done()
         return error_response(
@@ -233,6 +242,7 @@ class Relay:
         url: str,
         request_id: str,
         sent: float,
+        usage: UsageAccount,
     ) -> web.StreamResponse:
         headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
@@ -256,8 +266,9 @@ class Relay:
                         headers={REQUEST_ID: request_id},
                     )
                 self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+                usage.read_body(payload)
                 return web.Response(status=upstream.status, body=payload, headers=headers)
-            return await self._stream(request, upstream, url, headers, sse, sent)
+            return await self._stream(request, upstream, url, headers, sse, sent, usage)
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
@@ -288,6 +299,7 @@ class Relay:
         headers: CIMultiDict[str],
         sse: bool,
         sent: float,
+        usage: UsageAccount,
     ) -> web.StreamResponse:
         response = _Response(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
@@ -298,7 +310,7 @@ class Relay:
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
-            return await self._relay_body(request, response, upstream, url, sse, sent)
+            return await self._relay_body(request, response, upstream, url, sse, sent, usage)
         finally:
             watchdog.cancel()
 
@@ -310,11 +322,18 @@ class Relay:
         url: str,
         sse: bool,
         sent: float,
+        usage: UsageAccount,
     ) -> web.StreamResponse:
         write = response.write
         readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
         max_tail = self.config.max_sse_event_bytes
+        # Usage: an OpenAI stream's usage-only event is found by one substring search of each
+        # whole-event write (taken out if the router asked for it); a /generate stream's final
+        # meta_info is read once at its end from the last two writes (kept by reference).
+        watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
+        keep_last = sse and usage.placement is not None and usage.route == "/generate"
+        before = last = b""
         try:
             chunk = await readany()
             self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
@@ -322,7 +341,13 @@ class Relay:
                 if not sse:
                     await write(chunk)
                 elif not tail and chunk.endswith(_EVENT_ENDS):
-                    await write(chunk)  # the common case: whole events, relayed as they are
+                    # the common case: whole events, relayed as they are
+                    if watch and USAGE_EVENT_MARKER in chunk:
+                        chunk = usage.take_event(chunk)
+                    elif keep_last:
+                        before, last = last, chunk
+                    if chunk:
+                        await write(chunk)
                 else:
                     # Forward whole events only, so a failure later can never leave half a
                     # line. Only the new bytes (and 3 before them) are scanned for a boundary.
@@ -330,7 +355,13 @@ class Relay:
                     cut = _last_event_end(tail[len(tail) - overlap:] + chunk if overlap else chunk)
                     if cut:
                         k = cut - overlap  # >= 1: the old tail held no complete event
-                        await write(bytes(tail) + chunk[:k] if tail else chunk[:k])
+                        events = bytes(tail) + chunk[:k] if tail else chunk[:k]
+                        if watch and USAGE_EVENT_MARKER in events:
+                            events = usage.take_event(events)
+                        elif keep_last:
+                            before, last = last, events
+                        if events:
+                            await write(events)
                         tail = bytearray(chunk[k:])
                     else:
                         tail += chunk
@@ -354,5 +385,6 @@ class Relay:
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
         if tail:
             await response.write(bytes(tail))
+        usage.stream_ended(sse, before + last if keep_last else b"")
         await response.write_eof()
         return response

@@ -25,22 +25,44 @@ def summarize(
     headers: Mapping[str, str],
     config: RoutingConfig,
     exact: ExactBlocks | None = None,
+    bytes_per_token: float = BYTES_PER_TOKEN,
 ) -> RequestSummary:
     """With `exact` (KV events on), prefix blocks are SGLang's block hashes of the request's
     token ids, or none when its tokenizer cannot tell: text blocks would match nothing in the
-    exact index, so such a request is placed on session affinity and load alone."""
+    exact index, so such a request is placed on session affinity and load alone. Otherwise the
+    prompt size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py)."""
+    return summarize_counted(route, body, headers, config, exact, bytes_per_token)[0]
+
+
+def summarize_counted(
+    route: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str],
+    config: RoutingConfig,
+    exact: ExactBlocks | None = None,
+    bytes_per_token: float = BYTES_PER_TOKEN,
+) -> tuple[RequestSummary, int]:
+    """`summarize`, and the size of the prompt text it estimated tokens from: what calibration
+    divides by the reported prompt tokens (0 when there is nothing to calibrate: token ids, or an
+    exact tokenizer count)."""
     model = body.get("model")
     exact_blocks = exact(route, body) if exact is not None else None
+    text_bytes = 0
     if exact_blocks is not None:
         prompt_tokens, blocks = exact_blocks
     else:
         data = prompt_bytes(route, body)
-        prompt_tokens = len(data) // BYTES_PER_TOKEN
+        if route == "/generate" and isinstance(body.get("input_ids"), list):
+            prompt_tokens = len(data) // BYTES_PER_TOKEN  # token ids, 4 bytes each
+        else:
+            prompt_tokens = int(len(data) / bytes_per_token)
+            text_bytes = len(data)
         blocks = () if exact is not None else text_block_hashes(data, namespace(body), config.block_chars)
-    return RequestSummary(
+    summary = RequestSummary(
         route=route,
         session_key=session_key(headers, body, config.session_headers, config.session_fields),
         prompt_tokens=prompt_tokens,
         model=model if isinstance(model, str) else None,
         prefix_blocks=blocks,
     )
+    return summary, text_bytes

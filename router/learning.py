@@ -1,0 +1,150 @@
+"""What the router learns from the usage each replica reports (router/usage.py), on its control
+side: fed by `Placement.reported` after a response, read when a request is summarized.
+
+- Calibration: bytes of the prompt (as the router renders it, router/prefix.py) per reported
+  prompt token, per model (the request's prompt size) and per replica (the shadow index's block
+  size in tokens, hence its capacity in blocks). Starts at 4; each report moves the estimate by
+  `ewma_weight`, or by more while it has few reports (the starting 4 counts as one), clamped to
+  [1, 16], so it settles within tens of requests and one odd prompt cannot throw it.
+- Index correction: a replica that reports fewer cached tokens than the index predicted evicted
+  them, so it keeps less than the index holds for it: without a reported `max_total_num_tokens`,
+  its effective capacity is learned (what the index holds minus what the engine had dropped; held
+  plus the surplus when it reports more) and the index, shrunk to it, drops that replica's oldest
+  entries as an LRU engine did. The request's own prompt is not trimmed: the engine has just
+  cached it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .usage import UsageReport
+
+if TYPE_CHECKING:
+    from ..metrics.router_metrics import RouterMetrics
+    from .kv_index_shadow import ShadowKVIndex
+
+DEFAULT_BYTES_PER_TOKEN = 4.0
+MIN_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN = 1.0, 16.0
+# Shorter prompts are mostly chat template: their ratio says little about the tokenizer.
+MIN_CALIBRATION_BYTES = 256
+
+
+class _Ewma:
+    __slots__ = ("value", "count")
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.count = 1  # the starting value counts as one observation
+
+    def add(self, x: float, weight: float) -> float:
+        self.count += 1
+        w = max(weight, 1.0 / self.count)  # a running mean until the EWMA weight takes over
+        self.value += w * (x - self.value)
+        return self.value
+
+
+class UsageLearner:
+    def __init__(
+        self,
+        *,
+        block_chars: int,
+        weight: float = 0.1,
+        calibrate: bool = True,
+        index: ShadowKVIndex | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.block_chars = block_chars
+        self.weight = weight
+        self.calibrate = calibrate
+        self.index = index  # the shadow index (None with the exact one: it counts real tokens)
+        self.metrics = metrics
+        self._per_model: dict[str, _Ewma] = {}
+        self._per_replica: dict[str, _Ewma] = {}
+        self._capacity: dict[str, _Ewma] = {}  # learned effective KV capacity, tokens
+
+    # -- read side -----------------------------------------------------------------------------
+    def bytes_per_token(self, model: str | None) -> float:
+        est = self._per_model.get(model or "")
+        return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
+
+    def replica_bytes_per_token(self, replica: str) -> float:
+        est = self._per_replica.get(replica)
+        return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
+
+    def learned_capacity(self, replica: str) -> int | None:
+        est = self._capacity.get(replica)
+        return int(est.value) if est is not None else None
+
+    # -- write side ----------------------------------------------------------------------------
+    def ignored(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.usage_ignored, reason).inc()
+
+    def observe(
+        self,
+        replica: str,
+        model: str | None,
+        report: UsageReport,
+        *,
+        prompt_bytes: int,
+        predicted_cached: int | None,
+        prefix_blocks: Sequence[int],
+    ) -> None:
+        """One response's usage. `prompt_bytes`: the prompt text's size (0 when the prompt was
+        token ids or tokenized exactly: nothing to calibrate); `predicted_cached`: the index's
+        cached-token estimate for this replica when the request was placed (None: none made)."""
+        if self.calibrate and prompt_bytes >= MIN_CALIBRATION_BYTES and report.prompt_tokens > 0:
+            self._calibrate(replica, model, prompt_bytes / report.prompt_tokens)
+        if report.cached_tokens is None:
+            self.ignored("no_cache_report")
+            return
+        if predicted_cached is None:
+            return
+        m = self.metrics
+        if m is not None:
+            m.child(m.cached_predicted, replica).inc(predicted_cached)
+            m.child(m.cached_reported, replica).inc(report.cached_tokens)
+            if report.prompt_tokens:
+                m.cache_prediction_error.observe(
+                    (report.cached_tokens - predicted_cached) / report.prompt_tokens)
+        if self.index is not None and prefix_blocks:
+            self._correct(replica, report, predicted_cached)
+
+    def _calibrate(self, replica: str, model: str | None, ratio: float) -> None:
+        ratio = min(MAX_BYTES_PER_TOKEN, max(MIN_BYTES_PER_TOKEN, ratio))
+        key = model or ""
+        est = self._per_model.get(key)
+        if est is None:
+            est = self._per_model[key] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
+        value = est.add(ratio, self.weight)
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.bytes_per_token, key).set(value)
+        rest = self._per_replica.get(replica)
+        if rest is None:
+            rest = self._per_replica[replica] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
+        per_replica = rest.add(ratio, self.weight)
+        if self.index is not None:
+            self.index.set_block_tokens(replica, self.block_chars / per_replica)
+
+    def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
+        """Learn the replica's effective capacity from a cache hit the index got wrong by a
+        block or more (used by the index only if the replica reports no capacity of its own)."""
+        index = self.index
+        assert index is not None and report.cached_tokens is not None
+        block = index.block_tokens_of(replica)
+        diff = report.cached_tokens - predicted
+        if abs(diff) < block:
+            return
+        held = index.cached_tokens(replica)
+        estimate = max(held + diff, report.prompt_tokens, block)
+        est = self._capacity.get(replica)
+        current = est.value if est is not None else index.capacity_tokens(replica)
+        if diff < 0 and est is None:
+            current = min(current, held)  # it evicted while holding less than the index does
+        if (diff < 0) != (estimate < current):
+            return  # a miss never raises the estimate, a surplus never lowers it
+        if est is None:
+            est = self._capacity[replica] = _Ewma(current)
+        index.set_learned_capacity(replica, int(est.add(estimate, self.weight)))
