@@ -15,7 +15,8 @@ while this request still waits on the affinity store, sees it. Then, in order:
 claimed once per request (on its first placement); a retry that lands elsewhere moves it.
 
 Outcome calls keep the replica's health and the retry counters with the routing, so the relay
-only sends, retries and streams: `unreachable(kind)` (never got the request), `timed_out(kind)`,
+only sends, retries and streams: `unreachable(kind)` (never got the request), `broke(kind)`
+(it got the request, then timed out or broke off: never retried),
 `answered()` (a response head came back), `refused(status)` (a 502/503 that goes elsewhere),
 `reported(usage)` (the usage the replica reported with its answer, for the engine's learner).
 `RequestRoute` (from `RoutingEngine.route`) wraps a request's placements in its session:
@@ -211,9 +212,10 @@ class Placement:
             m.child(m.upstream_errors, url, kind).inc()
             m.child(m.retries, kind).inc()
 
-    def timed_out(self, kind: str) -> None:
-        """The replica got the request and did not answer in time (never retried: it may still
-        be working): an upstream error."""
+    def broke(self, kind: str) -> None:
+        """The replica got the request, then the exchange failed: a timeout (header, idle,
+        total), a body cut off, an SSE event past the cap. An upstream error; never retried (it
+        may still be working on it) and never held against its health."""
         m = self.engine.metrics
         if m is not None:
             m.child(m.upstream_errors, self.url, kind).inc()

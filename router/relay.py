@@ -25,7 +25,7 @@ from .config import UpstreamConfig
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
-from .placement import RequestRoute
+from .placement import Placement, RequestRoute
 from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
 from .upstream_http import (
     UpstreamBodyError,
@@ -213,7 +213,7 @@ class Relay:
                         placement = current.retry()
                     continue
                 except UpstreamTimeout as err:  # it got it and may still be working: no retry
-                    current.timed_out(err.kind)
+                    current.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
                 current.answered()
                 if upstream.status in self.config.retry_statuses and attempt + 1 < max_attempts:
@@ -225,7 +225,7 @@ class Relay:
                 if upstream.status < 300:  # only a request it serves leaves its prompt cached
                     current.accepted()
                 usage.placement = current if 200 <= upstream.status < 300 else None
-                return await self._relay(request, upstream, url, request_id, sent, usage)
+                return await self._relay(request, upstream, current, request_id, sent, usage)
             finally:
                 current.done()
         return error_response(
@@ -239,11 +239,12 @@ class Relay:
         self,
         request: web.Request,
         upstream: UpstreamResponse,
-        url: str,
+        attempt: Placement,
         request_id: str,
         sent: float,
         usage: UsageAccount,
     ) -> web.StreamResponse:
+        url = attempt.url
         headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
         if self.replica_header:
@@ -257,10 +258,10 @@ class Relay:
                 try:
                     payload = await upstream.read()
                 except UpstreamTimeout as err:
-                    self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
+                    attempt.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
                 except UpstreamBodyError:
-                    self.metrics.child(self.metrics.upstream_errors, url, "body").inc()
+                    attempt.broke("body")
                     return error_response(
                         502, f"replica {url} failed while sending its response", "upstream_error",
                         headers={REQUEST_ID: request_id},
@@ -268,7 +269,7 @@ class Relay:
                 self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
                 usage.read_body(payload)
                 return web.Response(status=upstream.status, body=payload, headers=headers)
-            return await self._stream(request, upstream, url, headers, sse, sent, usage)
+            return await self._stream(request, upstream, attempt, headers, sse, sent, usage)
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
@@ -295,12 +296,13 @@ class Relay:
         self,
         request: web.Request,
         upstream: UpstreamResponse,
-        url: str,
+        attempt: Placement,
         headers: CIMultiDict[str],
         sse: bool,
         sent: float,
         usage: UsageAccount,
     ) -> web.StreamResponse:
+        url = attempt.url
         response = _Response(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
@@ -310,7 +312,7 @@ class Relay:
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
-            return await self._relay_body(request, response, upstream, url, sse, sent, usage)
+            return await self._relay_body(request, response, upstream, attempt, sse, sent, usage)
         finally:
             watchdog.cancel()
 
@@ -319,11 +321,12 @@ class Relay:
         request: web.Request,
         response: web.StreamResponse,
         upstream: UpstreamResponse,
-        url: str,
+        attempt: Placement,
         sse: bool,
         sent: float,
         usage: UsageAccount,
     ) -> web.StreamResponse:
+        url = attempt.url
         write = response.write
         readany = upstream.readany
         tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
@@ -366,7 +369,7 @@ class Relay:
                     else:
                         tail += chunk
                     if len(tail) > max_tail:  # an event that never ends must not grow memory
-                        self.metrics.child(self.metrics.upstream_errors, url, "sse_event_too_large").inc()
+                        attempt.broke("sse_event_too_large")
                         return await self._end_with_error(
                             request, response, sse, f"replica {url} sent an SSE event larger than "
                             f"upstream.max_sse_event_bytes ({max_tail} bytes)")
@@ -374,9 +377,9 @@ class Relay:
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
             if isinstance(err, UpstreamTimeout):
-                self.metrics.child(self.metrics.upstream_errors, url, err.kind).inc()
+                attempt.broke(err.kind)
                 return await self._end_with_error(request, response, sse, f"replica {url} timed out: {err}", 504)
-            self.metrics.child(self.metrics.upstream_errors, url, "midstream").inc()
+            attempt.broke("midstream")
             return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream")
         except asyncio.CancelledError:
             task = asyncio.current_task()
