@@ -12,12 +12,15 @@
 5. performance: 1000 replicas x 5000 sessions x 10 simulated minutes; wall time and events/s.
 
 Sections run by their own command and written by hand (`KEPT_SECTIONS`: the perturbed worlds of
-`kvrouter simulate --world-perturb`) are carried over from the existing `--out` file.
+`kvrouter simulate --world-perturb`, the note on what changed in the simulator) are carried over
+from the existing `--out` file. With `--out`, the numbers behind every table are also written to
+`simulation/scenarios.json` beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -33,7 +36,7 @@ from .simulate import markdown_table
 from .workload_config import load_workload
 
 POLICIES = ("coding-agent", "consistent-hash", "prefix-aware", "round-robin")
-KEPT_SECTIONS = ("Perturbed worlds",)
+KEPT_SECTIONS = ("Perturbed worlds", "What changed in the simulator")
 SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka_claude_code"
 
 
@@ -216,6 +219,12 @@ def kept_sections(old: str) -> list[tuple[str, str]]:
     return out
 
 
+def save_results(path: Path, results: dict[str, Any]) -> None:
+    """The numbers behind the doc's tables, as JSON (`timeline` tuples become lists)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds, skip the 1000-replica run")
@@ -223,9 +232,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     parts = []
+    results: dict[str, Any] = {}
     text, textbook_rows = textbook(seeds=3 if args.quick else 10)
     parts.append(("Textbook check: 250 sessions on 50 replicas", text))
     scale_text, scale_rows = scale_out()
+    results.update(textbook=textbook_rows, scale_out=scale_rows)
     if args.out:
         for name in charts(args.out.parent / "simulation", textbook_rows, scale_rows):
             if name.startswith("textbook"):
@@ -234,12 +245,12 @@ def main() -> int:
                 scale_text += f"\n\n![scale-out timeline](simulation/{name})"
     parts.append(("Scale-out: 40 -> 50 replicas at t=300 s (two-minute windows either side)", scale_text))
     if args.traces.is_dir():
-        text, _ = claude_code(args.traces)
+        text, results["claude_code"] = claude_code(args.traces)
         parts.append(("Claude Code replay: 15 sessions x 2 users on 4 replicas", text))
     if not args.quick:
-        text, _ = resolution()
+        text, results["resolution"] = resolution()
         parts.append(("Simulation resolution: 64- vs 512-token pages (50 replicas x 250 sessions)", text))
-        text, _ = performance()
+        text, results["performance"] = performance()
         parts.append(("Performance", text))
     if args.out and args.out.exists():
         parts.extend(kept_sections(args.out.read_text()))
@@ -252,6 +263,7 @@ def main() -> int:
     print(doc)
     if args.out:
         args.out.write_text(doc + "\n")
+        save_results(args.out.parent / "simulation" / "scenarios.json", results)
     return 0
 
 

@@ -213,3 +213,22 @@ def test_regenerating_the_simulation_doc_keeps_the_perturbed_worlds_section():
     doc = "# Fleet\n\nintro\n\n## Textbook\n\nold\n\n## Perturbed worlds\n\nby hand\n\n| a |\n\n## Performance\n\np\n"
     assert kept_sections(doc) == [("Perturbed worlds", "by hand\n\n| a |")]
     assert kept_sections("# Fleet\n\n## Textbook\n\nx\n") == []
+
+
+def test_regenerating_the_simulation_doc_keeps_the_note_on_what_changed():
+    from kvrouter.loadtest.scenarios import kept_sections
+
+    doc = ("# Fleet\n\n## Textbook\n\nold\n\n## Perturbed worlds\n\nby hand\n\n"
+           "## What changed in the simulator\n\nold -> new\n")
+    assert kept_sections(doc) == [("Perturbed worlds", "by hand"), ("What changed in the simulator", "old -> new")]
+
+
+def test_scenario_results_are_saved_as_json(tmp_path):
+    import json
+
+    from kvrouter.loadtest.scenarios import save_results
+
+    path = tmp_path / "simulation" / "scenarios.json"
+    save_results(path, {"scale_out": {"coding-agent": {"timeline": [(15.0, 0.9, 1.2)]}}, "performance": {512: {"wall_s": 1.0}}})
+    assert json.loads(path.read_text()) == {"scale_out": {"coding-agent": {"timeline": [[15.0, 0.9, 1.2]]}},
+                                            "performance": {"512": {"wall_s": 1.0}}}
