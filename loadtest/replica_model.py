@@ -29,13 +29,9 @@ Scheduler (after `managers/scheduler.py` and `schedule_policy.PrefillAdder`, def
   tree until evicted; retract_decode_steps x remaining tokens are made free at once), and it
   joins the back of the queue, to be re-prefilled from prompt + output so far.
 
-Decode runs as analytic segments: a run of steps with a constant batch, ending at the next finish,
-after MAX_SEGMENT_STEPS steps, or where KV would run out. A step's time is fixed for the segment from
-the mean context at its start: context grows by accept_length per step, so the error over 64 steps
-is below one step time (tested against a step-by-step reference). A submit (with a free slot) or
-an abort cuts the segment at the first step boundary at or after `now`, exactly where SGLang's
-loop would look at its queue again. Gauges that change inside a segment (num_used_tokens) are
-updated at its end.
+Decode runs as analytic segments of steps with a constant batch (replica_decode); gauges that
+change inside a segment (num_used_tokens) are updated at its end. Request, event and load types:
+replica_requests.
 
 `load()` is the instant state; what SGLang *publishes* (the /metrics gauges, the /v1/loads
 snapshot, KV-event flushes) changes only at SGLang's own points: `published_metrics()`,
@@ -47,102 +43,28 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from . import timing
 from .admission import NewTokenRatio, resolve_max_new_tokens
 from .profiles import Profile
 from .radix_cache import KVSink, RadixCache
+from .replica_decode import MAX_SEGMENT_STEPS, DecodeMixin
 from .replica_publishing import DECODE_STATE, PublishingMixin
+from .replica_requests import (
+    DECODE, DONE, OP_DECODE, OP_PREFILL, OP_WAKE, PREFILL, WAITING, Finished, FirstToken,
+    ModelEvent, ReplicaLoad, ReqState, SimRequest,
+)
 from .replica_signals import DeferredKVSink, SignalState
 
-MAX_SEGMENT_STEPS = 64
-_WAITING, _PREFILL, _DECODE, _DONE = range(4)
-assert _DECODE == DECODE_STATE  # the publishing mixin reads request states too
-_OP_PREFILL, _OP_DECODE, _OP_WAKE = 1, 2, 3
+__all__ = [
+    "MAX_SEGMENT_STEPS", "Finished", "FirstToken", "ModelEvent", "ReplicaLoad", "ReplicaModel",
+    "SimRequest",
+]
+
+assert DECODE == DECODE_STATE  # the publishing mixin reads request states too
 
 
-@dataclass(slots=True)
-class SimRequest:
-    rid: str
-    prompt_len: int  # tokens
-    output_len: int  # tokens this request will generate (the driver decides, <= max_new_tokens)
-    page_keys: Sequence[int]  # chained keys of the full pages of prompt+output
-    token_ids: Sequence[int] | None = None  # only forwarded to the kv_sink
-    # the request's max_new_tokens as the client sent it; None = none given (SGLang then allows
-    # up to the context length). The scheduler's admission estimate comes from this, never
-    # from output_len.
-    max_new_tokens: int | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class FirstToken:
-    rid: str
-    time: float
-    cached_tokens: int
-    cached_device: int
-    cached_host: int
-    queue_time: float
-    ttft: float  # time - submit time
-
-
-@dataclass(slots=True, frozen=True)
-class Finished:
-    rid: str
-    time: float
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    retractions: int = 0  # times the request was retracted (meta_info total_retractions)
-
-
-ModelEvent = FirstToken | Finished
-
-
-@dataclass(slots=True, frozen=True)
-class ReplicaLoad:
-    num_running_reqs: int
-    num_queue_reqs: int
-    num_used_tokens: int
-    max_total_num_tokens: int
-    token_usage: float
-    cache_hit_rate: float
-    gen_throughput: float
-    kv_available_tokens: int
-    kv_evictable_tokens: int
-    host_used_tokens: int
-    host_total_tokens: int
-    spec_accept_length: float
-
-
-class _Req:
-    __slots__ = (
-        "sim", "arrival", "state", "ctx", "filled", "gen", "base", "dsteps", "need",
-        "tree_pages", "own_pages", "admitted", "cached_dev", "cached_host", "first_sent",
-        "max_new", "retractions",
-    )
-
-    def __init__(self, sim: SimRequest, arrival: float, max_new: int) -> None:
-        self.sim = sim
-        self.max_new = max_new  # resolved max_new_tokens (the scheduler's only output bound)
-        self.retractions = 0
-        self.arrival = arrival
-        self.state = _WAITING
-        self.ctx = sim.prompt_len  # tokens to (re)prefill
-        self.filled = 0  # tokens with KV
-        self.gen = 0  # output tokens out
-        self.base = 0  # gen when the current decode phase began
-        self.dsteps = 0  # decode steps in the current phase
-        self.need = 0  # decode steps needed in the current phase
-        self.tree_pages = 0  # keys[:tree_pages] are cache pages locked by this request
-        self.own_pages = 0  # private pages (partial page, uninserted output)
-        self.admitted: float | None = None
-        self.cached_dev = 0
-        self.cached_host = 0
-        self.first_sent = False
-
-
-class ReplicaModel(PublishingMixin):
+class ReplicaModel(DecodeMixin, PublishingMixin):
     def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
         self.profile = profile
         # KV events wait in the deferred sink until SGLang would flush them (replica_signals).
@@ -154,19 +76,19 @@ class ReplicaModel(PublishingMixin):
         self._ps = profile.page_size
         self._cap_pages = profile.max_total_num_tokens // profile.page_size
         self._own_pages = 0
-        self._reqs: dict[str, _Req] = {}
-        self._waiting: deque[_Req] = deque()
-        self._active: dict[str, _Req] = {}  # admitted: prefilling or decoding
-        self._decoding: list[_Req] = []
-        self._chunked: _Req | None = None
+        self._reqs: dict[str, ReqState] = {}
+        self._waiting: deque[ReqState] = deque()
+        self._active: dict[str, ReqState] = {}  # admitted: prefilling or decoding
+        self._decoding: list[ReqState] = []
+        self._chunked: ReqState | None = None
         self._done: OrderedDict[str, int] = OrderedDict()
         self._pending: list[ModelEvent] = []
         self._now = 0.0
         # current forward op
         self._op = 0
         self._op_end = 0.0
-        self._prefill_items: list[tuple[_Req, int]] = []
-        self._seg_batch: list[_Req] = []
+        self._prefill_items: list[tuple[ReqState, int]] = []
+        self._seg_batch: list[ReqState] = []
         self._seg_start = 0.0
         self._seg_dt = 0.0
         self._seg_steps = 0
@@ -206,14 +128,14 @@ class ReplicaModel(PublishingMixin):
         max_new = resolve_max_new_tokens(p, req.prompt_len, req.max_new_tokens, req.output_len)
         if req.prompt_len + min(max_new, p.clip_max_new_tokens) + self._ps >= p.max_total_num_tokens:
             raise ValueError(f"request {req.rid!r} can never fit in {p.max_total_num_tokens} KV tokens")
-        r = _Req(req, self._now, max_new)
+        r = ReqState(req, self._now, max_new)
         self._reqs[req.rid] = r
         self._waiting.append(r)
         if not self._op:
             # Schedule at `now`, but only once every request submitted at `now` is in the queue:
             # SGLang receives simultaneous requests together and batches their prefill.
-            self._op, self._op_end = _OP_WAKE, self._now
-        elif self._op == _OP_DECODE and len(self._active) < p.max_running_requests:
+            self._op, self._op_end = OP_WAKE, self._now
+        elif self._op == OP_DECODE and len(self._active) < p.max_running_requests:
             self._cut_segment(self._now)
 
     def abort(self, rid: str, now: float) -> bool:
@@ -221,19 +143,19 @@ class ReplicaModel(PublishingMixin):
         r = self._reqs.get(rid)
         if r is None:
             return False
-        if r.state == _WAITING:
+        if r.state == WAITING:
             self._waiting.remove(r)
         else:
             if r is self._chunked:
                 self._chunked = None
-            was_decoding = r.state == _DECODE
+            was_decoding = r.state == DECODE
             self._release(r)
             if was_decoding:
                 self._est_sum -= self._estimate(r)
                 self._decoding.remove(r)
-            if self._op == _OP_DECODE:
+            if self._op == OP_DECODE:
                 self._cut_segment(self._now)  # the batch shrinks from the next step
-        r.state = _DONE
+        r.state = DONE
         del self._reqs[rid]
         self.num_aborted_requests_total += 1
         self._note_idle(self._now)
@@ -251,7 +173,7 @@ class ReplicaModel(PublishingMixin):
         r = self._reqs.get(rid)
         if r is None:
             return self._done.get(rid, 0)
-        if r.state == _DECODE and self._op == _OP_DECODE:
+        if r.state == DECODE and self._op == OP_DECODE:
             k = math.floor((now - self._seg_start) / self._seg_dt + 1e-9)
             k = min(max(k, 0), self._seg_steps)
             return min(r.sim.output_len, timing.tokens_after_steps(self.profile, r.base, r.dsteps + k))
@@ -305,14 +227,14 @@ class ReplicaModel(PublishingMixin):
         now = max(now, self._now)
         while self._op and (self._op_end < now or (inclusive and self._op_end == now)):
             end = self._op_end
-            if self._op == _OP_PREFILL:
+            if self._op == OP_PREFILL:
                 self._complete_prefill(end)
-            elif self._op == _OP_DECODE:
+            elif self._op == OP_DECODE:
                 self._catch_up(end)
                 self._complete_segment(end)
             self._schedule(end)
             self._note_idle(end)
-        if self._op == _OP_DECODE:
+        if self._op == OP_DECODE:
             self._catch_up(now)
         self._now = now
         self._settle_idle(now)
@@ -326,7 +248,7 @@ class ReplicaModel(PublishingMixin):
         elif not self._active and not self._waiting:
             self._ratio.reset()  # self_check_during_idle: a fully idle scheduler starts over
 
-    def _estimate(self, r: _Req) -> int:
+    def _estimate(self, r: ReqState) -> int:
         """Tokens the scheduler still expects a request to generate: min(max_new - gen, clip)."""
         left = r.max_new - r.gen
         clip = self.profile.clip_max_new_tokens
@@ -341,14 +263,14 @@ class ReplicaModel(PublishingMixin):
         if deficit > 0:
             self.cache.evict(deficit * self._ps, protect)
 
-    def _grow(self, r: _Req, kv_tokens: int) -> None:
+    def _grow(self, r: ReqState, kv_tokens: int) -> None:
         delta = -(-kv_tokens // self._ps) - r.tree_pages - r.own_pages
         if delta > 0:
             self._ensure_room(delta)
             r.own_pages += delta
             self._own_pages += delta
 
-    def _release(self, r: _Req) -> None:
+    def _release(self, r: ReqState) -> None:
         """Free a request's slot and private pages and unlock its path (no insert)."""
         self.cache.unlock(r.sim.page_keys, 0, r.tree_pages)
         self._own_pages -= r.own_pages
@@ -362,7 +284,7 @@ class ReplicaModel(PublishingMixin):
         cache = self.cache
         budget = p.chunked_prefill_size
         clip = p.clip_max_new_tokens
-        items: list[tuple[_Req, int]] = []
+        items: list[tuple[ReqState, int]] = []
         # PrefillAdder's offset: running requests' scaled estimate, then what this batch takes
         offset = self._ratio.current * self._est_sum
         r = self._chunked
@@ -406,7 +328,7 @@ class ReplicaModel(PublishingMixin):
                 self._ensure_room(host, keys[dev : dev + host])
                 cache.insert(keys, dev, dev + host, t, lock=True, token_ids=r.sim.token_ids)
                 load_tokens += host * ps
-            r.state = _PREFILL
+            r.state = PREFILL
             r.tree_pages = dev + host
             r.own_pages = 0
             r.filled = matched
@@ -431,7 +353,7 @@ class ReplicaModel(PublishingMixin):
             self._grow(r, r.filled + n)
             seconds += timing.prefill_compute_time(p, n, r.filled)
         self._prefill_items = items
-        self._op = _OP_PREFILL
+        self._op = OP_PREFILL
         self._op_end = t + seconds
         return True
 
@@ -440,7 +362,7 @@ class ReplicaModel(PublishingMixin):
         left = sum(r.ctx - r.filled - n for r, n in self._prefill_items if r is self._chunked)
         self.signals.prefill_result(t, self._pool_state(len(self._decoding), chunk_left=left))
         for r, n in self._prefill_items:
-            if r.state != _PREFILL:
+            if r.state != PREFILL:
                 continue  # aborted meanwhile
             r.filled += n
             keys = r.sim.page_keys
@@ -466,7 +388,7 @@ class ReplicaModel(PublishingMixin):
             if r.gen >= r.sim.output_len:
                 self._finish(r, t)
             else:
-                r.state = _DECODE
+                r.state = DECODE
                 r.base, r.dsteps = r.gen, 0
                 r.need = timing.steps_to_reach(self.profile, r.gen, r.sim.output_len)
                 self._decoding.append(r)
@@ -474,99 +396,14 @@ class ReplicaModel(PublishingMixin):
         self._prefill_items = []
         self.signals.prefill_report(t, self._pool_state(self._prefill_running), self._batch_hit_rate)
 
-    # ---- decode --------------------------------------------------------------------------------
-    def _start_segment(self, t: float) -> None:
-        p = self.profile
-        ps = self._ps
-        retracted = 0
-        while True:
-            batch = self._decoding
-            b = len(batch)
-            room = (self._free_pages() + self.cache.dev_pages - self.cache.locked_pages - b) * ps
-            kv_steps = math.floor(room / (b * p.spec_accept_length))
-            if kv_steps >= 1 or b == 1:
-                break  # (a lone request over capacity overcommits: SGLang would fail it)
-            # retract_decode: fewest output tokens first, then the longest prompt
-            self._retract(min(batch, key=lambda r: (r.gen, -r.sim.prompt_len)))
-            retracted += 1
-        self._seg_retracted = retracted > 0
-        if retracted:
-            batch = self._decoding
-            self.num_retracted_reqs = retracted
-            self._ratio.after_retraction(
-                sum(r.gen for r in batch), sum(r.max_new for r in batch), len(batch)
-            )
-        steps = min(min(r.need - r.dsteps for r in batch), MAX_SEGMENT_STEPS)
-        steps = max(1, min(steps, kv_steps))
-        context = sum(r.sim.prompt_len + r.gen for r in batch) / b
-        self._seg_batch = list(batch)
-        self._seg_start = t
-        self._seg_dt = timing.decode_step_time(p, b, context)
-        self._seg_steps = steps
-        self._seg_done = 0
-        self._op = _OP_DECODE
-        self._op_end = t + steps * self._seg_dt
-        self.gen_throughput = b * p.spec_accept_length / self._seg_dt
-
-    def _cut_segment(self, now: float) -> None:
-        k = math.ceil((now - self._seg_start) / self._seg_dt - 1e-9)
-        k = min(max(k, 0), self._seg_steps)
-        if k < self._seg_steps:
-            self._seg_steps = k
-            self._op_end = self._seg_start + k * self._seg_dt
-
-    def _complete_segment(self, t: float) -> None:
-        p = self.profile
-        k = self._seg_steps
-        # every decode step that needed no retraction decays the ratio (update_running_batch)
-        self._ratio.decay(k - 1 if self._seg_retracted else k)
-        self._seg_retracted = False
-        finished = []
-        est_sum = self._est_sum
-        for r in self._seg_batch:
-            if r.state != _DECODE:
-                continue
-            est_sum -= self._estimate(r)
-            r.dsteps += k
-            before = r.gen
-            r.gen = min(r.sim.output_len, timing.tokens_after_steps(p, r.base, r.dsteps))
-            self.decode_tokens_total += r.gen - before
-            self._grow(r, r.sim.prompt_len + r.gen)
-            if r.dsteps >= r.need:
-                finished.append(r)
-            else:
-                est_sum += self._estimate(r)
-        self._est_sum = est_sum
-        for r in finished:
-            self._finish(r, t)
-        if finished:
-            self._decoding = [r for r in self._decoding if r.state == _DECODE]
-        self._seg_batch = []
-
-    def _retract(self, r: _Req) -> None:
-        self._est_sum -= self._estimate(r)
-        self._release(r)
-        self._decoding.remove(r)
-        r.state = _WAITING
-        r.ctx = r.sim.prompt_len + r.gen  # re-prefill prompt + output so far
-        r.filled = 0
-        r.retractions += 1
-        self._waiting.append(r)  # _add_request_to_queue appends: the back of the queue
-        self.num_retracted_reqs_total += 1
-        self.num_retracted_input_tokens_total += r.sim.prompt_len
-        self.num_retracted_output_tokens_total += r.gen
-        # release_req: free retract_decode_steps tokens per remaining request at once
-        want = len(self._decoding) * self.profile.retract_decode_steps
-        self._ensure_room(-(-want // self._ps))
-
-    def _finish(self, r: _Req, t: float) -> None:
+    def _finish(self, r: ReqState, t: float) -> None:
         sim = r.sim
         keys = sim.page_keys
         n_insert = min(len(keys), (sim.prompt_len + sim.output_len - 1) // self._ps)
         if n_insert > r.tree_pages:  # cache_finished_req: output pages join the tree, unlocked
             self.cache.insert(keys, r.tree_pages, n_insert, t, token_ids=sim.token_ids)
         self._release(r)
-        r.state = _DONE
+        r.state = DONE
         del self._reqs[sim.rid]
         self._done[sim.rid] = sim.output_len
         if len(self._done) > 4096:

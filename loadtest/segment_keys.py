@@ -69,13 +69,14 @@ class SegmentKeyCache:
         total = sum(sizes)
         page = self.page_size
         parent = keys[-1] if keys else self.root
-        seg_hashes = [_segment_hash(n) for n in names]
         mask = _MASK
         seg, seg_start = 0, 0  # index of the segment holding position `pos`, and where it starts
         pos = reuse_pages * page
         while seg < len(segments) and seg_start + sizes[seg] <= pos:
             seg_start += sizes[seg]
             seg += 1
+        # Hash only the segments that new pages can touch (a turn that appends reuses the rest).
+        seg_hashes = [0] * seg + [_segment_hash(n) for n in names[seg:]]
         while pos + page <= total:
             seg_end = seg_start + sizes[seg]
             if pos + page <= seg_end:

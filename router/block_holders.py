@@ -10,6 +10,7 @@ holders with one AND instead of a set operation.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ class BlockHolders:
         self._ids: list[str] = []  # slot -> replica ("" when free)
         self._free: list[int] = []
         self._held: dict[str, int] = {}  # replica -> blocks it holds; its slot is freed at 0
+        self._by_name: list[tuple[str, int]] = []  # (replica, bit) of every slot, by replica
 
     def mask(self, block: int) -> int:
         return self._masks.get(block, 0)
@@ -62,6 +64,21 @@ class BlockHolders:
             base += 64
         return out
 
+    def slot_count(self) -> int:
+        """Replicas holding at least one block."""
+        return len(self._by_name)
+
+    def first_by_name(self, mask: int, n: int) -> list[str]:
+        """The `n` alphabetically first replicas of a mask, in order. Walks replicas by name and
+        stops at the n-th holder: cheap when the mask holds a good part of the fleet."""
+        out: list[str] = []
+        for replica, bit in self._by_name:
+            if mask & bit:
+                out.append(replica)
+                if len(out) == n:
+                    break
+        return out
+
     def _claim_slot(self, replica: str) -> int:
         slot = heapq.heappop(self._free) if self._free else len(self._ids)
         if slot == len(self._ids):
@@ -71,11 +88,14 @@ class BlockHolders:
         self._slots[replica] = slot
         self._bits[replica] = bit = 1 << slot
         self._held[replica] = 0
+        bisect.insort(self._by_name, (replica, bit))
         return bit
 
     def _free_slot(self, replica: str) -> None:
         slot = self._slots.pop(replica)
-        del self._bits[replica], self._held[replica]
+        bit = self._bits.pop(replica)
+        del self._held[replica]
+        self._by_name.remove((replica, bit))
         self._ids[slot] = ""
         heapq.heappush(self._free, slot)  # lowest first: masks stay short
 
@@ -103,9 +123,15 @@ def match_prefix(
 
     def take(group: int, depth: int) -> None:
         need = cap - len(matched)
-        ids = holders.replicas(group)
-        chosen = ids if len(ids) <= need else heapq.nsmallest(need, ids)
-        for replica in sorted(chosen):
+        count = group.bit_count()
+        if count > need and count * 4 >= holders.slot_count():
+            # A dense group (a shared system prompt's holders, up to the whole fleet): walking
+            # replicas by name to the need-th holder beats listing every holder and picking.
+            chosen = holders.first_by_name(group, need)
+        else:
+            ids = holders.replicas(group)
+            chosen = sorted(ids if count <= need else heapq.nsmallest(need, ids))
+        for replica in chosen:
             matched[replica] = depth * block_tokens
 
     last_index = len(blocks) - 1

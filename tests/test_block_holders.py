@@ -73,6 +73,31 @@ def test_same_matches_as_sets_in_the_same_order():
             assert list(got.items()) == list(want.items())
 
 
+def test_fleet_wide_prefix_picks_the_first_names_like_the_sets():
+    """A block the whole fleet holds (a shared system prompt) and a few deeper holders; slots
+    reused so slot order differs from name order: the `limit` chosen are the same as the sets'."""
+    rng = random.Random(5)
+    for _ in range(50):
+        names = [f"replica-{rng.randrange(10_000):05d}" for _ in range(rng.randrange(40, 300))]
+        bits, sets = BlockHolders(), {}
+        for name in names:
+            bits.add(0, name)
+            sets.setdefault(0, set()).add(name)
+        for name in rng.sample(names, len(names) // 5):  # free slots, then hand them to others
+            bits.discard(0, name)
+            sets[0].discard(name)
+        for name in rng.sample(names, len(names) // 5):
+            bits.add(0, name)
+            sets[0].add(name)
+        for block in (1, 2):
+            for name in rng.sample(sorted(sets[0]), 3):
+                bits.add(block, name)
+                sets.setdefault(block, set()).add(name)
+        for limit in (1, 8, 32, None):
+            got = match_prefix(bits, [0, 1, 2], limit, 64)
+            assert list(got.items()) == list(match_with_sets(sets, [0, 1, 2], limit, 64).items())
+
+
 def test_slots_are_reused_and_masks_stay_short():
     holders = BlockHolders()
     for i in range(100):
