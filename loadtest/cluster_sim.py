@@ -45,7 +45,7 @@ from ..router.sessions import SessionTable
 from .cluster_config import ScaleEvent, SimConfig
 from .cluster_sampling import SamplingMixin
 from .profiles import Profile, load_profile, scale_profile
-from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
+from .replica_model import Finished, FirstToken, ReplicaModel, RequestTooLarge, SimRequest
 from .report import RequestRecord
 from .segment_keys import SegmentKeyCache
 from .turn_request import TurnRequest
@@ -259,7 +259,6 @@ class ClusterSimulator(SamplingMixin):
             self.records.append(record)
             self._reply(idx, req, None)
             return
-        placement.accepted()  # a live simulated replica never refuses a request
         self.decisions[placement.decision.reason] += 1
         url = placement.url
         rid = f"r{next(self._rid)}"
@@ -267,8 +266,14 @@ class ClusterSimulator(SamplingMixin):
         self._flights[rid] = _Flight(req, idx, url, placement, self.now, record)
         output = max(1, req.expected_output_tokens)
         # The client's max_tokens, as the live load driver sends it: SGLang's admission estimate.
-        self.models[url].submit(SimRequest(rid, prompt, output, keys, max_new_tokens=req.max_tokens),
-                                self.now)
+        try:
+            self.models[url].submit(SimRequest(rid, prompt, output, keys, max_new_tokens=req.max_tokens),
+                                    self.now)
+        except RequestTooLarge as err:  # the replica answers 400, as SGLang does
+            record.error = f"HTTP 400: {err}"
+            self._finish(rid, self._flights[rid], ok=False)
+            return
+        placement.accepted()  # it took the request: its prompt will be cached there
         self._dirty.add(url)
         self._wake(url)
 

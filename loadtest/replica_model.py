@@ -64,6 +64,11 @@ __all__ = [
 assert DECODE == DECODE_STATE  # the publishing mixin reads request states too
 
 
+
+class RequestTooLarge(ValueError):
+    """Prompt plus the admission estimate can never fit the KV pool: SGLang refuses such a
+    request up front (a 400), it does not queue it forever."""
+
 class ReplicaModel(DecodeMixin, PublishingMixin):
     def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
         self.profile = profile
@@ -127,7 +132,7 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
             raise ValueError("prompt_len and output_len must be >= 1")
         max_new = resolve_max_new_tokens(p, req.prompt_len, req.max_new_tokens, req.output_len)
         if req.prompt_len + min(max_new, p.clip_max_new_tokens) + self._ps >= p.max_total_num_tokens:
-            raise ValueError(f"request {req.rid!r} can never fit in {p.max_total_num_tokens} KV tokens")
+            raise RequestTooLarge(f"request {req.rid!r} can never fit in {p.max_total_num_tokens} KV tokens")
         r = ReqState(req, self._now, max_new)
         self._reqs[req.rid] = r
         self._waiting.append(r)

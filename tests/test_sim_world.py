@@ -232,3 +232,16 @@ def test_scenario_results_are_saved_as_json(tmp_path):
     save_results(path, {"scale_out": {"coding-agent": {"timeline": [(15.0, 0.9, 1.2)]}}, "performance": {512: {"wall_s": 1.0}}})
     assert json.loads(path.read_text()) == {"scale_out": {"coding-agent": {"timeline": [[15.0, 0.9, 1.2]]}},
                                             "performance": {"512": {"wall_s": 1.0}}}
+
+
+def test_a_request_that_can_never_fit_fails_with_a_400_instead_of_stopping_the_simulation():
+    """A world whose replicas hold less than the workload's longest context: those requests fail
+    as a replica would answer them (400), counted by reason, and the run goes on."""
+    sim = ClusterSimulator(SimConfig(replicas=2, sessions=4, duration_s=60.0, seed=1, warmup_s=0.0,
+                                     world=parse_world("capacity=0.05")), "coding-agent", WL)
+    result = sim.run()
+    failed = [r for r in sim.records if not r.ok]
+    assert failed and all(r.error.startswith("HTTP 400: ") for r in failed)
+    assert result["requests_failed"] == len(failed)
+    assert [f["status"] for f in result["failures"]] == [400]
+    assert not sim._flights  # nothing left in flight
