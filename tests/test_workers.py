@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -12,6 +13,21 @@ import yaml
 from .fakes import FakeUpstream
 from .procs import Proc, wait_http
 from kvrouter.loadtest.process_group import free_port
+
+
+async def _until_both_workers_serve(url: str, timeout: float = 30.0) -> None:
+    """Fresh connections until both workers have answered one (the second may still be starting
+    on a loaded machine), so the test's traffic can reach both."""
+    seen: set[str] = set()
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+        while seen != {"0", "1"}:
+            assert asyncio.get_running_loop().time() < deadline, f"only workers {seen} answered"
+            async with client.post(url + "/v1/chat/completions",
+                                   json={"model": "m", "messages": [{"role": "user", "content": "warm-up"}]}) as resp:
+                assert resp.status == 200, await resp.text()
+                seen.add(resp.headers["x-kvrouter-worker"])
+            await asyncio.sleep(0.02)
 
 
 async def test_two_workers_share_a_port_and_agree_on_session_homes(tmp_path, start_app, redis_server):
@@ -30,6 +46,7 @@ async def test_two_workers_share_a_port_and_agree_on_session_homes(tmp_path, sta
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_http(url, "/ready")
+        await _until_both_workers_serve(url)  # /ready answers as soon as one of them is up
         homes: dict[str, set[str]] = {}
         workers: dict[str, set[str]] = {}
         # Fresh connections, so the kernel spreads them over both workers; each session's requests
