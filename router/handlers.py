@@ -18,7 +18,7 @@ from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .relay import Relay
 from .replicas import ReplicaRegistry
-from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize_counted
+from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
 from .usage import ask_stream_usage
 from .tokenizers import TokenizePool
 
@@ -139,7 +139,7 @@ class Handlers:
         model = parsed.get("model")
         bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(
             model if isinstance(model, str) else None)
-        return summarize_counted(route, parsed, headers, self.config.routing, exact, bytes_per_token)
+        return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:

@@ -26,25 +26,15 @@ def summarize(
     config: RoutingConfig,
     exact: ExactBlocks | None = None,
     bytes_per_token: float = BYTES_PER_TOKEN,
-) -> RequestSummary:
-    """With `exact` (KV events on), prefix blocks are SGLang's block hashes of the request's
-    token ids, or none when its tokenizer cannot tell: text blocks would match nothing in the
-    exact index, so such a request is placed on session affinity and load alone. Otherwise the
-    prompt size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py)."""
-    return summarize_counted(route, body, headers, config, exact, bytes_per_token)[0]
-
-
-def summarize_counted(
-    route: str,
-    body: dict[str, Any],
-    headers: Mapping[str, str],
-    config: RoutingConfig,
-    exact: ExactBlocks | None = None,
-    bytes_per_token: float = BYTES_PER_TOKEN,
 ) -> tuple[RequestSummary, int]:
-    """`summarize`, and the size of the prompt text it estimated tokens from: what calibration
-    divides by the reported prompt tokens (0 when there is nothing to calibrate: token ids, or an
-    exact tokenizer count)."""
+    """The request's summary, and the size of the prompt text its tokens were estimated from:
+    what calibration divides by the reported prompt tokens (0 when there is nothing to calibrate:
+    token ids, or an exact tokenizer count).
+
+    With `exact` (KV events on), prefix blocks are SGLang's block hashes of the request's token
+    ids, or none when its tokenizer cannot tell: text blocks would match nothing in the exact
+    index, so such a request is placed on session affinity and load alone. Otherwise the prompt
+    size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py)."""
     model = body.get("model")
     exact_blocks = exact(route, body) if exact is not None else None
     text_bytes = 0
