@@ -205,20 +205,14 @@ class Placement:
     def unreachable(self, kind: str) -> None:
         """The replica never got the request (`kind`: connect, connect_timeout): a failure
         against its health, an upstream error and a retry (counted even on the last attempt)."""
-        url = self.url
-        self.engine.registry.record_failure(url)
-        m = self.engine.metrics
-        if m is not None:
-            m.child(m.upstream_errors, url, kind).inc()
-            m.child(m.retries, kind).inc()
+        self.engine.registry.record_failure(self.url)
+        self._count_error(kind, retried=True)
 
     def broke(self, kind: str) -> None:
         """The replica got the request, then the exchange failed: a timeout (header, idle,
         total), a body cut off, an SSE event past the cap. An upstream error; never retried (it
         may still be working on it) and never held against its health."""
-        m = self.engine.metrics
-        if m is not None:
-            m.child(m.upstream_errors, self.url, kind).inc()
+        self._count_error(kind, retried=False)
 
     def answered(self) -> None:
         """The replica sent a response head: it is reachable (any status)."""
@@ -227,14 +221,17 @@ class Placement:
     def refused(self, status: int) -> None:
         """It answered a retryable status (502/503) before a byte reached the client, and the
         request goes elsewhere: an upstream error and a retry."""
+        self._count_error(f"http_{status}", retried=True)
+
+    def _count_error(self, kind: str, *, retried: bool) -> None:
         m = self.engine.metrics
         if m is not None:
-            kind = f"http_{status}"
             m.child(m.upstream_errors, self.url, kind).inc()
-            m.child(m.retries, kind).inc()
+            if retried:
+                m.child(m.retries, kind).inc()
 
     def accepted(self) -> None:
-        """The replica took the request (it answered): it will cache the prompt."""
+        """The replica is serving the request (a 2xx answer): it will cache the prompt."""
         if self._accepted:
             return
         self._accepted = True

@@ -222,9 +222,10 @@ class Relay:
                     upstream.close()
                     placement = current.retry()
                     continue
-                if upstream.status < 300:  # only a request it serves leaves its prompt cached
+                served = 200 <= upstream.status < 300
+                if served:  # only a request it serves leaves its prompt cached (and reports usage)
                     current.accepted()
-                usage.placement = current if 200 <= upstream.status < 300 else None
+                usage.placement = current if served else None
                 return await self._relay(request, upstream, current, request_id, sent, usage)
             finally:
                 current.done()
