@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .summary import BYTES_PER_TOKEN
 from .usage import UsageReport
 
 if TYPE_CHECKING:
     from ..metrics.router_metrics import RouterMetrics
     from .kv_index_shadow import ShadowKVIndex
 
-DEFAULT_BYTES_PER_TOKEN = 4.0
+DEFAULT_BYTES_PER_TOKEN = float(BYTES_PER_TOKEN)  # the summary's estimate until reports come
 MIN_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN = 1.0, 16.0
 # Shorter prompts are mostly chat template: their ratio says little about the tokenizer.
 MIN_CALIBRATION_BYTES = 256
@@ -43,6 +44,13 @@ class _Ewma:
         w = max(weight, 1.0 / self.count)  # a running mean until the EWMA weight takes over
         self.value += w * (x - self.value)
         return self.value
+
+
+def _ratio_estimate(table: dict[str, _Ewma], key: str) -> _Ewma:
+    est = table.get(key)
+    if est is None:
+        est = table[key] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
+    return est
 
 
 class UsageLearner:
@@ -115,16 +123,10 @@ class UsageLearner:
     def _calibrate(self, replica: str, model: str | None, ratio: float) -> None:
         ratio = min(MAX_BYTES_PER_TOKEN, max(MIN_BYTES_PER_TOKEN, ratio))
         key = model or ""
-        est = self._per_model.get(key)
-        if est is None:
-            est = self._per_model[key] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
-        value = est.add(ratio, self.weight)
+        value = _ratio_estimate(self._per_model, key).add(ratio, self.weight)
         if self.metrics is not None:
             self.metrics.child(self.metrics.bytes_per_token, key).set(value)
-        rest = self._per_replica.get(replica)
-        if rest is None:
-            rest = self._per_replica[replica] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
-        per_replica = rest.add(ratio, self.weight)
+        per_replica = _ratio_estimate(self._per_replica, replica).add(ratio, self.weight)
         if self.index is not None:
             self.index.set_block_tokens(replica, self.block_chars / per_replica)
 
