@@ -14,7 +14,6 @@ import pytest
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_kv_publisher import SimKVPublisher
 from kvrouter.loadtest.sim_prompt import kv_token_ids
-from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.sglang_protocol import block_hash as bh
 from kvrouter.sglang_protocol import kv_events as kve
 from kvrouter.metrics.router_metrics import RouterMetrics
@@ -23,8 +22,8 @@ from kvrouter.router.kv_index_exact import ExactKVIndex, request_blocks
 from kvrouter.router.kv_events_subscriber import KVEventSubscriber
 from kvrouter.router.tokenizers import input_ids
 
-PS = 16  # tiny profile page size
-SIM_TOKENIZER = "kvrouter.loadtest.sim_prompt:kv_token_ids"
+from .kv_cluster import PS, SIM_TOKENIZER, kv_cluster, post
+
 
 
 def stored(hashes: list[int], medium: str | None = kve.MEDIUM_GPU) -> kve.BlockStored:
@@ -166,28 +165,8 @@ async def test_gap_is_replayed_or_drops_the_replica(replay):
 # ----------------------------------------------------------------------------------------------
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str) -> tuple[str | None, dict]:
-    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-        assert r.status == 200, await r.text()
-        return r.headers.get("x-kvrouter-replica"), await r.json()
-
-
 async def test_router_routes_on_the_replicas_kv_events(start_app, start_router):
-    sims, urls = [], []
-    for seed in (1, 2):
-        cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": "tcp://127.0.0.1:*",
-               "replay_endpoint": "tcp://127.0.0.1:*"}
-        app = build_app("tiny", time_scale=200.0, seed=seed, kv_events_config=cfg)
-        urls.append(await start_app(app))
-        sims.append(app[SIM_KEY])
-    endpoints = {u: {"endpoint": s.publisher.endpoint, "replay_endpoint": s.publisher.replay_endpoint}
-                 for u, s in zip(urls, sims)}
-    router, base = await start_router(
-        urls, server={"host": "127.0.0.1", "port": 0, "replica_header": True},
-        signals={"interval_s": 0.05},
-        kv_events={"enabled": True, "page_size": PS, "tokenizer": SIM_TOKENIZER,
-                   "endpoints": endpoints},
-    )
+    router, base, urls = await kv_cluster(start_app, start_router)
     decisions = router.metrics.decisions
 
     def blocks(body: dict) -> tuple[int, ...]:
@@ -199,14 +178,14 @@ async def test_router_routes_on_the_replicas_kv_events(start_app, start_router):
             while router.metrics.kv_events.labels(url)._value.get() == 0:
                 probe = {"model": "tiny", "max_tokens": 1,
                          "messages": [{"role": "user", "content": f"probe {i} " + "p" * 120}]}
-                await _post(s, url, probe)
+                await post(s, url, probe)
                 await asyncio.sleep(0.02)
 
         # Turn 1 of a session through the router: its replica's exact index learns the prefix.
         messages = [{"role": "system", "content": "You are a coding agent. " + tokenizer.synthetic_text(150, 1)},
                     {"role": "user", "content": "Fix:\n" + tokenizer.synthetic_text(250, 2)}]
         body1 = {"model": "tiny", "messages": messages, "max_tokens": 30}
-        served, out = await _post(s, base, body1, **{"x-session-id": "s1"})
+        served, out = await post(s, base, body1, **{"x-session-id": "s1"})
         other = next(u for u in urls if u != served)
         prompt1 = out["usage"]["prompt_tokens"]
         body2 = {"model": "tiny", "max_tokens": 10, "messages": messages + [
@@ -218,7 +197,7 @@ async def test_router_routes_on_the_replicas_kv_events(start_app, start_router):
         # Turn 2 goes home, and the router expects (and finds) the cached prefix there.
         est_before = router.metrics.est_cached_tokens._value.get()
         affinity_before = decisions.labels("coding_agent", "affinity")._value.get()
-        served2, out2 = await _post(s, base, body2, **{"x-session-id": "s1"})
+        served2, out2 = await post(s, base, body2, **{"x-session-id": "s1"})
         assert served2 == served
         assert decisions.labels("coding_agent", "affinity")._value.get() == affinity_before + 1
         assert router.metrics.est_cached_tokens._value.get() - est_before >= prompt1 - PS
@@ -227,13 +206,13 @@ async def test_router_routes_on_the_replicas_kv_events(start_app, start_router):
         # A conversation warmed directly on the other replica (another router, say): a keyless
         # continuation through this router is placed where its prefix lives.
         warm = [{"role": "user", "content": "Review:\n" + tokenizer.synthetic_text(400, 3)}]
-        _, w = await _post(s, other, {"model": "tiny", "messages": warm, "max_tokens": 20})
+        _, w = await post(s, other, {"model": "tiny", "messages": warm, "max_tokens": 20})
         follow = {"model": "tiny", "max_tokens": 5, "messages": warm + [
             {"role": "assistant", "content": w["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Thanks."}]}
         await until(lambda: router.index.match(blocks(follow)).get(other, 0) >= w["usage"]["prompt_tokens"] - PS)
         affinity_before = decisions.labels("coding_agent", "affinity")._value.get()
-        served3, _ = await _post(s, base, follow)
+        served3, _ = await post(s, base, follow)
         assert served3 == other
         assert decisions.labels("coding_agent", "affinity")._value.get() == affinity_before + 1
 

@@ -12,12 +12,11 @@ import aiohttp
 
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_prompt import kv_token_ids
-from kvrouter.loadtest.sim_server import SIM_KEY, build_app
 from kvrouter.router.kv_index_exact import request_blocks
 from kvrouter.router.tokenizers import TokenizePool
 
-PS = 16
-SIM_TOKENIZER = "kvrouter.loadtest.sim_prompt:kv_token_ids"
+from .kv_cluster import PS, kv_cluster, post
+
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -25,31 +24,6 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
-
-
-async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str | None, dict]:
-    async with s.post(url + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        return r.headers.get("x-kvrouter-replica"), await r.json()
-
-
-async def kv_cluster(start_app, start_router, **kv: Any):
-    sims, urls = [], []
-    for seed in (1, 2):
-        cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": "tcp://127.0.0.1:*",
-               "replay_endpoint": "tcp://127.0.0.1:*"}
-        app = build_app("tiny", time_scale=200.0, seed=seed, kv_events_config=cfg)
-        urls.append(await start_app(app))
-        sims.append(app[SIM_KEY])
-    endpoints = {u: {"endpoint": s.publisher.endpoint, "replay_endpoint": s.publisher.replay_endpoint}
-                 for u, s in zip(urls, sims)}
-    router, base = await start_router(
-        urls, server={"host": "127.0.0.1", "port": 0, "replica_header": True},
-        signals={"interval_s": 0.05},
-        kv_events={"enabled": True, "page_size": PS, "tokenizer": SIM_TOKENIZER,
-                   "endpoints": endpoints, **kv},
-    )
-    return router, base, urls
 
 
 def blocks(body: dict) -> tuple[int, ...]:
