@@ -255,9 +255,13 @@ class Relay:
         sse = upstream.content_type == "text/event-stream"
         try:
             length = upstream.content_length
-            if not sse and length is not None and length <= _BUFFER_LIMIT:
+            whole = not sse and length is not None and length <= _BUFFER_LIMIT
+            first: bytes | None = None
+            if not sse:
+                # Nothing has reached the client yet: a replica failing before its first body
+                # bytes gets a clean error status, not a cut connection.
                 try:
-                    payload = await upstream.read()
+                    first = await (upstream.read() if whole else upstream.readany())
                 except UpstreamTimeout as err:
                     attempt.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
@@ -268,9 +272,10 @@ class Relay:
                         headers={REQUEST_ID: request_id},
                     )
                 self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
-                usage.read_body(payload)
-                return web.Response(status=upstream.status, body=payload, headers=headers)
-            return await self._stream(request, upstream, attempt, headers, sse, sent, usage)
+            if whole:
+                usage.read_body(first)
+                return web.Response(status=upstream.status, body=first, headers=headers)
+            return await self._stream(request, upstream, attempt, headers, sse, sent, usage, first)
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
@@ -302,6 +307,7 @@ class Relay:
         sse: bool,
         sent: float,
         usage: UsageAccount,
+        first: bytes | None,
     ) -> web.StreamResponse:
         url = attempt.url
         response = _Response(status=upstream.status, headers=headers)
@@ -313,7 +319,7 @@ class Relay:
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
-            return await self._relay_body(request, response, upstream, attempt, sse, sent, usage)
+            return await self._relay_body(request, response, upstream, attempt, sse, sent, usage, first)
         finally:
             watchdog.cancel()
 
@@ -326,7 +332,9 @@ class Relay:
         sse: bool,
         sent: float,
         usage: UsageAccount,
+        first: bytes | None,
     ) -> web.StreamResponse:
+        """Relays the body; `first` is its first chunk when already read (plain bodies)."""
         url = attempt.url
         write = response.write
         readany = upstream.readany
@@ -339,8 +347,11 @@ class Relay:
         keep_last = sse and usage.placement is not None and usage.route == "/generate"
         before = last = b""
         try:
-            chunk = await readany()
-            self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+            if first is None:
+                chunk = await readany()
+                self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+            else:
+                chunk = first
             while chunk:
                 if not sse:
                     await write(chunk)

@@ -264,6 +264,25 @@ async def test_idle_non_sse_bodies_504_when_buffered_and_abort_when_streamed(sta
     await wait_for_event(streamed.disconnected)
 
 
+async def test_a_streamed_non_sse_body_that_stalls_before_its_first_byte_is_a_504(start_app, start_router):
+    async def headers_only(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await forever()
+        return resp
+
+    replica = ScriptedReplica(headers_only)
+    _, router_url = await start_router(
+        [await start_app(replica.app())], signals=QUIET, upstream={"idle_timeout_s": 0.3})
+    async with aiohttp.ClientSession() as client:
+        async with client.post(router_url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 504
+            error = (await resp.json())["error"]
+    assert error["code"] == 504 and "idle_timeout_s" in error["message"]
+    await wait_for_event(replica.disconnected)
+
+
 async def test_an_sse_event_that_never_ends_is_capped(start_app, start_router):
     async def endless_event(request: web.Request) -> web.StreamResponse:
         resp = await sse_start(request)
