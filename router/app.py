@@ -24,6 +24,7 @@ from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig
+from .decision_log import DecisionLog, worker_path
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
@@ -119,6 +120,15 @@ class Router:
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
+        obs = config.observability
+        self.decision_log: DecisionLog | None = None
+        if obs.decision_log:
+            self.decision_log = DecisionLog(
+                worker_path(obs.decision_log, worker), max_bytes=obs.decision_log_max_bytes, backups=obs.decision_log_backups,
+                queue_size=obs.decision_log_queue, on_drop=self.metrics.decision_log_dropped.inc)
+            self.relay.decision_log = self.decision_log
+            self.engine.explain = True
+        self.engine.shadows = tuple((name, build_policy(name)) for name in config.routing.shadow)
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
@@ -212,4 +222,6 @@ class Router:
         await self.relay.close()
         if self.tokenize_pool is not None:
             self.tokenize_pool.close()
+        if self.decision_log is not None:
+            await asyncio.to_thread(self.decision_log.close)  # flushes, joins its writer thread
 

@@ -22,6 +22,7 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
 from .affinity import AffinityStore
 from .config import UpstreamConfig
+from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
@@ -105,6 +106,7 @@ class Relay:
         self._active: set[asyncio.Task[object]] = set()  # handlers forwarding a request now
         self._cut: set[asyncio.Task[object]] = set()  # of those, the ones cut_requests cancelled
         self._cut_reason = ""
+        self.decision_log: DecisionLog | None = None  # one line per request when set
         self.timeout = aiohttp.ClientTimeout(
             total=config.total_timeout_s, sock_connect=config.connect_timeout_s
         )
@@ -162,18 +164,37 @@ class Relay:
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
+        arrived, started = time.time(), self.clock()
+        status = 499  # the client went away, unless a response says otherwise
+        route: RequestRoute | None = None
         try:
             async with self.engine.route(summary, self.affinity, target) as route:
-                return await self._attempts(request, body, route, request_id,
-                                            UsageAccount(request.path, prompt_bytes, drop_usage))
+                response = await self._attempts(request, body, route, request_id,
+                                                UsageAccount(request.path, prompt_bytes, drop_usage))
+                status = response.status
+                return response
         except asyncio.CancelledError:
             if not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
+            status = 503
             return error_response(503, self._cut_reason, "service_unavailable",
                                   {REQUEST_ID: request_id, "Connection": "close"})
         finally:
             self._active.discard(task)
             self._cut.discard(task)
+            if self.decision_log is not None:
+                self._log_decision(arrived, self.clock() - started, request_id, summary, route, status)
+
+    def _log_decision(self, arrived: float, duration_s: float, request_id: str,
+                      summary: RequestSummary, route: RequestRoute | None, status: int) -> None:
+        """Queue the request's decision-log line; a fault here never reaches the client."""
+        assert self.decision_log is not None
+        try:
+            placement = route.last if route is not None else None
+            fields = request_fields(request_id, placement.summary if placement else summary, placement)
+            self.decision_log.write(decision_line(arrived, fields, status, duration_s))
+        except Exception:
+            log.exception("decision log line for %s failed", request_id)
 
     async def _attempts(
         self,
@@ -199,6 +220,7 @@ class Relay:
             if placement is None:
                 break
             current, placement = placement, None
+            route.last = current
             try:  # no await since place() or retry(): done() always releases the slot
                 await current.confirm_home(route.store)
                 url = current.url
@@ -267,7 +289,8 @@ class Relay:
                         502, f"replica {url} failed while sending its response", "upstream_error",
                         headers={REQUEST_ID: request_id},
                     )
-                self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+                attempt.ttfb_s = self.clock() - sent
+                self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
                 usage.read_body(payload)
                 return web.Response(status=upstream.status, body=payload, headers=headers)
             return await self._stream(request, upstream, attempt, headers, sse, sent, usage)
@@ -340,7 +363,8 @@ class Relay:
         before = last = b""
         try:
             chunk = await readany()
-            self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+            attempt.ttfb_s = self.clock() - sent
+            self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
             while chunk:
                 if not sse:
                     await write(chunk)
