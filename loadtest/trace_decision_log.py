@@ -31,7 +31,8 @@ import orjson
 from .trace_session import Arrivals, PathLike, TraceSession, TraceStep
 from .turn_request import Segment
 
-__all__ = ["DECISION_LOG_FORMAT", "DEFAULT_OUTPUT_TOKENS", "decision_log_arrivals", "is_decision_log"]
+__all__ = ["DECISION_LOG_FORMAT", "DEFAULT_OUTPUT_TOKENS", "LoggedRequest", "decision_log_arrivals",
+           "is_decision_log", "logged_request", "read_log", "shared_blocks"]
 
 DECISION_LOG_FORMAT = "kvrouter-decision-log/1"  # router/decision_log.py's LOG_FORMAT
 DEFAULT_OUTPUT_TOKENS = 256  # a line without reported output tokens (e.g. a failed request)
@@ -42,7 +43,9 @@ def is_decision_log(first_line: Any) -> bool:
 
 
 @dataclass
-class _Request:
+class LoggedRequest:
+    """What replay and profiling use of one logged request."""
+
     t: float
     duration_s: float
     prompt: int
@@ -51,7 +54,8 @@ class _Request:
     marks: list[str]
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The request lines of a decision log (format lines checked and skipped)."""
     rows = []
     with path.open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -69,10 +73,10 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _request(row: dict[str, Any]) -> _Request:
+def logged_request(row: dict[str, Any]) -> LoggedRequest:
     prompt = row.get("reported_prompt_tokens") or row["prompt_tokens"]
     out = row.get("output_tokens") or DEFAULT_OUTPUT_TOKENS
-    return _Request(float(row["t"]), float(row.get("duration_s") or 0.0), int(prompt), int(out),
+    return LoggedRequest(float(row["t"]), float(row.get("duration_s") or 0.0), int(prompt), int(out),
                     int(row.get("blocks") or 0), list(row.get("prefix") or []))
 
 
@@ -82,9 +86,9 @@ def _mark_of(marks: list[str], n: int, j: int) -> str:
     return marks[k] if (1 << k) - 1 < n and k < len(marks) else marks[-1]
 
 
-def _shared_marks(a: _Request, b: _Request) -> tuple[int, bool]:
-    """Blocks `b` shares with `a` by their power-of-two marks, and whether they agree at every
-    common one (then `b` may extend `a`)."""
+def shared_blocks(a: LoggedRequest, b: LoggedRequest) -> tuple[int, bool]:
+    """Blocks `b` shares with `a` by their power-of-two marks (2^k when they agree up to mark k),
+    and whether they agree at every common one (then `b` may extend `a`)."""
     shared, k = 0, 0
     while (1 << k) - 1 < min(a.blocks, b.blocks) and k < len(a.marks) and k < len(b.marks):
         if a.marks[k] != b.marks[k]:
@@ -106,9 +110,9 @@ def decision_log_arrivals(
     if speedup <= 0:
         raise ValueError("speedup must be > 0")
     path = Path(path)
-    rows = _read(path)[:limit] if limit is not None else _read(path)
+    rows = read_log(path)[:limit] if limit is not None else read_log(path)
     try:
-        requests = [(row.get("session") or f"r{i}", _request(row)) for i, row in enumerate(rows)]
+        requests = [(row.get("session") or f"r{i}", logged_request(row)) for i, row in enumerate(rows)]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a decision-log line ({exc!r})") from None
     requests = [(s, r) for s, r in requests if r.prompt > 0 and
@@ -120,7 +124,7 @@ def decision_log_arrivals(
     per_block = sorted(r.prompt / r.blocks for _, r in requests if r.blocks)
     block_tokens = max(1, math.floor(per_block[len(per_block) // 10])) if per_block else 64
     t0 = min(r.t for _, r in requests)
-    sessions: dict[str, list[_Request]] = defaultdict(list)
+    sessions: dict[str, list[LoggedRequest]] = defaultdict(list)
     for key, r in requests:
         sessions[key].append(r)
     segments: dict[tuple[str, int], Segment] = {}
@@ -132,7 +136,7 @@ def decision_log_arrivals(
             n = min(r.blocks, r.prompt // block_tokens) if r.marks else 0
             keys = [f"dl/{_mark_of(r.marks, r.blocks, j)}/{j}" for j in range(n)]
             if prev is not None and prev_keys:
-                shared, agrees = _shared_marks(prev, r)
+                shared, agrees = shared_blocks(prev, r)
                 if agrees and r.blocks >= prev.blocks:
                     shared = len(prev_keys)
                 shared = min(shared, len(prev_keys), n)

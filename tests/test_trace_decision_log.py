@@ -15,6 +15,7 @@ import pytest
 from kvrouter.loadtest.cluster_sim import ClusterSimulator, SimConfig
 from kvrouter.loadtest.trace_decision_log import DEFAULT_OUTPUT_TOKENS
 from kvrouter.loadtest.traces import trace_sessions
+from kvrouter.loadtest.traffic_profile import profile_traffic, render_table
 from kvrouter.loadtest.workload_config import load_workload
 from kvrouter.router.decision_log import LOG_FORMAT, prefix_marks, short_hash
 
@@ -102,3 +103,27 @@ def test_simulator_replays_a_decision_log(log_path: Path, tmp_path: Path) -> Non
                     "--duration", "60", "--warmup", "0", "--trace", str(log_path), "--json", str(out)],
                    check=True, capture_output=True, timeout=120)
     assert json.loads(out.read_text())["workload"]["source"] == str(log_path)
+
+
+# -- profile-traffic -----------------------------------------------------------------------------
+def test_profile_traffic_buckets_the_log(log_path: Path) -> None:
+    dists = {d.name: d for d in profile_traffic(log_path)}
+    assert dists["input length"].counts() == [2, 2, 0, 0, 0, 0, 0]  # 842, 2442, 2122, 202 tokens
+    assert sorted(dists["output length"].values) == [40, 40, 40]  # b reported none: left out
+    # a1 and solo share nothing, b1 the system prompt (8 of 38 blocks), a2 all of a1 (13 of 33)
+    assert [round(v, 3) for v in dists["prefix overlap"].values] == [0.0, round(8 / 38, 3), round(13 / 33, 3), 0.0]
+    # a at 1000-1002, b at 1001-1003, a again at 1005.5, solo at 1010
+    assert dists["session concurrency"].values == (1.0, 2.0, 1.0, 1.0)
+    assert dists["inter-arrival"].values == (1.0, 4.5, 4.5)
+    table = render_table(list(dists.values()))
+    assert "### prefix overlap (share of prompt; n=4" in table and "| 1k-4k | 2 | 50.0% |" in table
+
+
+def test_profile_traffic_command_prints_the_table_and_draws_the_chart(log_path: Path, tmp_path: Path) -> None:
+    chart, data = tmp_path / "profile.png", tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "kvrouter.cli", "profile-traffic", str(log_path),
+                           "--chart", str(chart), "--json", str(data)],
+                          check=True, capture_output=True, text=True, timeout=120)
+    assert "### inter-arrival" in done.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(data.read_text())["session concurrency"]["buckets"]["2-4"] == 1
