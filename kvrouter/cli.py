@@ -191,12 +191,19 @@ def _add_profile_traffic(sub: argparse._SubParsersAction) -> None:  # type: igno
     add_parser(sub)
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest.shadow_report import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_serve, _add_check_config, _add_sim_replica, _add_loadtest, _add_compare, _add_demo,
-                _add_simulate, _add_config_schema, _add_profile_traffic):
+                _add_simulate, _add_config_schema, _add_profile_traffic,
+                _add_report):
         add(sub)
     return parser
 
