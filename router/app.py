@@ -23,7 +23,7 @@ from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
-from .config import RouterConfig
+from .config import ConfigError, RouterConfig
 from .decision_log import DecisionLog, worker_path
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
@@ -44,6 +44,8 @@ from .sessions import SessionTable
 from .summary import ExactBlocks
 from .supervise import spawn
 from .tokenizers import TokenizePool, load_tokenizer
+from .tracing import Tracing, TracingUnavailable
+from .tracing import wanted as tracing_wanted
 
 log = logging.getLogger("kvrouter")
 
@@ -129,6 +131,10 @@ class Router:
             self.relay.decision_log = self.decision_log
             self.engine.explain = True
         self.engine.shadows = tuple((name, build_policy(name)) for name in config.routing.shadow)
+        self.tracing = self._make_tracing(config)
+        if self.tracing is not None:
+            self.relay.tracing = self.tracing
+            self.engine.explain = True
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
@@ -164,6 +170,19 @@ class Router:
             max_sessions=a.max_sessions, buckets=a.redis_buckets, cluster=a.redis_cluster,
             on_evict=self.metrics.sessions_evicted.labels("redis").inc, metrics=self.metrics,
         )
+
+    @staticmethod
+    def _make_tracing(config: RouterConfig) -> Tracing | None:
+        obs = config.observability
+        if not tracing_wanted(obs):
+            return None
+        try:
+            return Tracing(obs)
+        except TracingUnavailable as err:
+            if obs.otel_endpoint:  # asked for in the config: a start-up error naming the key
+                raise ConfigError(f"observability.otel_endpoint: {err}") from None
+            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but %s; running without tracing", err)
+            return None
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
         if signals.max_total_num_tokens:
@@ -224,4 +243,6 @@ class Router:
             self.tokenize_pool.close()
         if self.decision_log is not None:
             await asyncio.to_thread(self.decision_log.close)  # flushes, joins its writer thread
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
 

@@ -350,6 +350,12 @@ class ObservabilityConfig(_Strict):
         10_000, ge=1, description="Lines waiting for the writer thread at most; past it lines are "
         "dropped and counted (kvrouter_decision_log_dropped_total), never waited for.",
     )
+    otel_endpoint: str | None = Field(
+        None, description="OTLP/HTTP base URL spans are exported to (`/v1/traces` is appended), "
+        "e.g. http://otel-collector:4318. None: the standard OTEL_EXPORTER_OTLP_ENDPOINT (or "
+        "..._TRACES_ENDPOINT) variable if set, else no tracing. Needs the `otel` extra.",
+    )
+    otel_service_name: str = Field("kvrouter", description="The spans' service.name.")
 
 
 class RouterConfig(_Strict):

@@ -126,7 +126,11 @@ class RoutingEngine:
                     m.child(m.shadow_predicted_ttft, name, "shadow").inc(guess.ttft_s)
         if m is not None and self.shadows and chosen.ttft_s is not None:
             m.child(m.shadow_predicted_ttft, self.policy.name, "live").inc(chosen.ttft_s)
-        return DecisionNotes(self.policy.name, chosen, tuple(shadows))
+        healthy = snapshot.healthy_count
+        if healthy is None:
+            healthy = sum(r.healthy for r in snapshot.replicas)
+        tried = sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
+        return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy - tried)
 
     def place(
         self,

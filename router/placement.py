@@ -85,6 +85,7 @@ class DecisionNotes:
     policy: str
     chosen: Prediction
     shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = ()
+    candidates: int = 0  # replicas the policy could choose from (healthy, not tried yet)
 
 
 class Placement:
@@ -111,7 +112,7 @@ class Placement:
         self.notes = notes  # with engine.explain or shadow policies on; else None
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
         self.usage: UsageReport | str | None = None  # as reported (or why not)
-        self.error: str | None = None  # the kind of failure after the replica got the request
+        self.error: str | None = None  # why this attempt failed (unreachable or broke off)
         self.summary = summary  # with the KV-index match filled in
         self.session = session  # as read before the request's first placement
         self.decision = decision
@@ -223,6 +224,7 @@ class Placement:
     def unreachable(self, kind: str) -> None:
         """The replica never got the request (`kind`: connect, connect_timeout): a failure
         against its health, an upstream error and a retry (counted even on the last attempt)."""
+        self.error = kind
         self.engine.registry.record_failure(self.url)
         self._count_error(kind, retried=True)
 
