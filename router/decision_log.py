@@ -18,7 +18,6 @@ import hashlib
 import logging
 import logging.handlers
 import queue
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

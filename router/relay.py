@@ -166,7 +166,8 @@ class Relay:
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
-        arrived, started = time.time(), self.clock()
+        logged = self.decision_log is not None
+        arrived, started = (time.time(), self.clock()) if logged else (0.0, 0.0)
         status = 499  # the client went away, unless a response says otherwise
         route: RequestRoute | None = None
         trace = (self.tracing.begin(request.method, request.path, request.headers, request_id)
@@ -186,7 +187,7 @@ class Relay:
         finally:
             self._active.discard(task)
             self._cut.discard(task)
-            if self.decision_log is not None:
+            if logged:
                 self._log_decision(arrived, self.clock() - started, request_id, summary, route, status)
             if trace is not None:
                 trace.end(status)
@@ -222,7 +223,7 @@ class Relay:
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
-        decide_ns = time.time_ns()  # when the decision began (tracing)
+        decide_ns = time.time_ns() if trace is not None else 0  # when the decision began
         placement = route.place()
         for attempt in range(max_attempts):
             if placement is None:
@@ -244,7 +245,7 @@ class Relay:
                     current.unreachable(kind)
                     last_problem = f"replica {url} unreachable ({kind})"
                     if attempt + 1 < max_attempts:
-                        decide_ns = time.time_ns()
+                        decide_ns = time.time_ns() if trace is not None else 0
                         placement = current.retry()
                     continue
                 except UpstreamTimeout as err:  # it got it and may still be working: no retry
@@ -256,7 +257,7 @@ class Relay:
                     current.refused(upstream.status)
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
-                    decide_ns = time.time_ns()
+                    decide_ns = time.time_ns() if trace is not None else 0
                     placement = current.retry()
                     continue
                 served = 200 <= upstream.status < 300
