@@ -75,6 +75,13 @@ class _Header(logging.handlers.RotatingFileHandler):
         return stream
 
 
+class _Listener(logging.handlers.QueueListener):
+    """Stopping waits for room in a full queue (the stdlib's does not and raises), for a while."""
+
+    def enqueue_sentinel(self) -> None:
+        self.queue.put(self._sentinel, timeout=10.0)
+
+
 class DecisionLog:
     """The log file and its writer thread. `write(entry)` only enqueues (never blocks); `close()`
     flushes what is queued and stops the thread."""
@@ -93,7 +100,7 @@ class DecisionLog:
         handler = _Header(self.path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True)
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._queue: queue.Queue[logging.LogRecord] = queue.Queue(queue_size)
-        self._listener = logging.handlers.QueueListener(self._queue, handler)
+        self._listener = _Listener(self._queue, handler)
         self._handler = handler
         self._on_drop = on_drop
         self.dropped = 0
@@ -111,7 +118,12 @@ class DecisionLog:
                 self._on_drop()
 
     def close(self) -> None:
-        self._listener.stop()  # drains the queue first
+        """Write what is queued and stop the thread (blocking: call it off the event loop)."""
+        try:
+            self._listener.stop()  # drains the queue first
+        except queue.Full:  # the writer has been stuck for 10 s: give up on the queued lines
+            log.warning("decision log %s: writer stuck, %d queued lines not written",
+                        self.path, self._queue.qsize())
         self._handler.close()
 
 

@@ -131,3 +131,37 @@ async def test_an_unwritable_log_never_fails_a_request(start_app, start_router, 
             async with s.post(url + "/v1/completions",
                               json={"model": "tiny", "prompt": "hello", "max_tokens": 2}) as r:
                 assert r.status == 200
+
+
+def test_writes_never_wait_for_a_stuck_disk(tmp_path: Path) -> None:
+    """The writer thread is stuck in a write: lines past the queue's size are dropped at once,
+    counted, and the ones queued are written once the disk is back."""
+    import threading
+
+    log = DecisionLog(tmp_path / "d.jsonl", queue_size=2)
+    stuck, entered = threading.Event(), threading.Event()
+    emit = log._handler.emit
+
+    def slow_emit(record):  # the disk hangs on the first line
+        entered.set()
+        stuck.wait(10)
+        emit(record)
+
+    log._handler.emit = slow_emit
+    log.write({"i": 0})
+    assert entered.wait(10)  # the thread holds line 0; the queue has room for 2 more
+    started = time.monotonic()
+    for i in range(1, 11):
+        log.write({"i": i})
+    assert time.monotonic() - started < 1.0  # nothing waited for the disk
+    assert log.dropped == 8
+    stuck.set()
+    log.close()
+    assert [line["i"] for line in read_log(tmp_path / "d.jsonl")] == [0, 1, 2]
+
+
+def test_each_worker_process_gets_its_own_file() -> None:
+    from kvrouter.router.decision_log import worker_path
+
+    assert worker_path("logs/decisions.jsonl", None) == Path("logs/decisions.jsonl")
+    assert worker_path("logs/decisions.jsonl", 3) == Path("logs/decisions.w3.jsonl")
