@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import openai
 import orjson
 
@@ -165,3 +166,31 @@ def test_each_worker_process_gets_its_own_file() -> None:
 
     assert worker_path("logs/decisions.jsonl", None) == Path("logs/decisions.jsonl")
     assert worker_path("logs/decisions.jsonl", 3) == Path("logs/decisions.w3.jsonl")
+
+
+async def test_a_client_that_leaves_mid_stream_still_gets_its_line(start_app, start_router, tmp_path: Path) -> None:
+    release = asyncio.Event()
+
+    async def chat(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        await request.read()
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n')
+        await release.wait()  # then nothing more until the test ends
+        return resp
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    up = await start_app(app)
+    path = tmp_path / "decisions.jsonl"
+    _, url = await start_router([up], observability={"decision_log": str(path)})
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/chat/completions",
+                              json={"model": "m", "messages": [], "stream": True}) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")  # the first event, then the client goes away
+        (line,) = await wait_for_lines(path, 1)
+        assert line["status"] == 499 and line["replica"] == up and line["ttft_s"] is not None
+    finally:
+        release.set()
