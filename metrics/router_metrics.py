@@ -235,6 +235,12 @@ class RouterMetrics:
             ["shadow", "agrees"],
             registry=r,
         )
+        self.shadow_picks = Counter(
+            "kvrouter_shadow_picks_total",
+            "Decisions a shadow policy (routing.shadow) would have sent to this replica.",
+            ["replica", "shadow"],
+            registry=r,
+        )
         self.shadow_predicted_ttft = Counter(
             "kvrouter_shadow_predicted_ttft_seconds_total",
             "With shadow policies on: sum of the predicted TTFT of each policy's picks, the live "

@@ -122,6 +122,8 @@ class RoutingEngine:
             if m is not None:
                 agrees = guess is not None and guess.replica == decision.replica
                 m.child(m.shadow_decisions, name, "true" if agrees else "false").inc()
+                if guess is not None:
+                    m.child(m.shadow_picks, guess.replica, name).inc()
                 if guess is not None and guess.ttft_s is not None:
                     m.child(m.shadow_predicted_ttft, name, "shadow").inc(guess.ttft_s)
         if m is not None and self.shadows and chosen.ttft_s is not None:

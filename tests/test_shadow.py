@@ -66,6 +66,7 @@ def test_each_shadow_records_its_pick_and_prediction_on_the_same_snapshot() -> N
     reg = engine.metrics.registry
     assert reg.get_sample_value("kvrouter_shadow_decisions_total",
                                 {"shadow": "prefix-aware", "agrees": "false"}) == 1
+    assert reg.get_sample_value("kvrouter_shadow_picks_total", {"shadow": "prefix-aware", "replica": B}) == 1
     p.done()
 
 
