@@ -125,9 +125,13 @@ class Router:
         obs = config.observability
         self.decision_log: DecisionLog | None = None
         if obs.decision_log:
-            self.decision_log = DecisionLog(
-                worker_path(obs.decision_log, worker), max_bytes=obs.decision_log_max_bytes, backups=obs.decision_log_backups,
-                queue_size=obs.decision_log_queue, on_drop=self.metrics.decision_log_dropped.inc)
+            path = worker_path(obs.decision_log, worker)
+            try:
+                self.decision_log = DecisionLog(
+                    path, max_bytes=obs.decision_log_max_bytes, backups=obs.decision_log_backups,
+                    queue_size=obs.decision_log_queue, on_drop=self.metrics.decision_log_dropped.inc)
+            except OSError as err:
+                raise ConfigError(f"observability.decision_log: cannot write {path} ({err.strerror})") from None
             self.relay.decision_log = self.decision_log
             self.engine.explain = True
         self.engine.shadows = tuple((name, build_policy(name)) for name in config.routing.shadow)

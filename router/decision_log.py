@@ -72,6 +72,7 @@ class _Header(logging.handlers.RotatingFileHandler):
         stream = super()._open()
         if stream.tell() == 0:
             stream.write(orjson.dumps({"format": LOG_FORMAT}).decode() + "\n")
+            stream.flush()
         return stream
 
 
@@ -96,8 +97,10 @@ class DecisionLog:
         on_drop: Callable[[], None] | None = None,
     ) -> None:
         self.path = Path(path)
+        # Opened here, once, so a path that cannot be written is a start-up error (OSError);
+        # later disk errors are the handler's: reported on stderr, never raised to a request.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handler = _Header(self.path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True)
+        handler = _Header(self.path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._queue: queue.Queue[logging.LogRecord] = queue.Queue(queue_size)
         self._listener = _Listener(self._queue, handler)

@@ -5,6 +5,7 @@ records."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import aiohttp
 import aiohttp.web
 import openai
 import orjson
+import pytest
 
 from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.sim_server import build_app
@@ -29,7 +31,7 @@ async def wait_for_lines(path: Path, n: int, timeout_s: float = 10.0) -> list[di
     """The log's lines once it has `n` of them (the writer thread is asynchronous)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if path.exists():
+        if path.exists() and path.stat().st_size:
             lines = read_log(path)
             if len(lines) >= n:
                 return lines
@@ -123,15 +125,28 @@ async def test_a_request_no_replica_took_is_logged_too(start_router, closed_port
     assert line["status"] == 503 and line["replica"] == closed_port_url and line["ttft_s"] is None
 
 
-async def test_an_unwritable_log_never_fails_a_request(start_app, start_router, tmp_path: Path) -> None:
+def test_a_log_path_that_cannot_be_written_stops_start_up(tmp_path: Path) -> None:
+    from kvrouter.router.app import Router
+    from kvrouter.router.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"observability.decision_log: cannot write .* \(Is a directory\)"):
+        Router(parse_config({"replicas": ["http://127.0.0.1:1"], "observability": {"decision_log": str(tmp_path)}}))
+
+
+async def test_a_disk_that_fails_later_never_fails_a_request(start_app, start_router, tmp_path: Path) -> None:
     sim = await start_app(build_app("tiny", time_scale=200.0))
-    # The path is a directory: the writer thread cannot open it; requests are served all the same.
-    _, url = await start_router([sim], observability={"decision_log": str(tmp_path)})
-    async with aiohttp.ClientSession() as s:
-        for _ in range(3):
-            async with s.post(url + "/v1/completions",
-                              json={"model": "tiny", "prompt": "hello", "max_tokens": 2}) as r:
-                assert r.status == 200
+    router, url = await start_router([sim], observability={"decision_log": str(tmp_path / "d.jsonl")})
+    assert router.decision_log is not None
+    handler = router.decision_log._handler
+    with open(os.devnull) as read_only:  # every write now fails inside the writer thread
+        handler.stream = read_only
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(url + "/v1/completions",
+                                  json={"model": "tiny", "prompt": "hello", "max_tokens": 2}) as r:
+                    assert r.status == 200
+        await asyncio.to_thread(router.decision_log._queue.join)  # the thread took them all
+        handler.stream = None  # reopened by the next write
 
 
 def test_writes_never_wait_for_a_stuck_disk(tmp_path: Path) -> None:
