@@ -111,7 +111,7 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--contender", default="target", help="name of the target in the results")
     p.add_argument("--model", default="default", help="model field of every request")
     _add_load_shape(p)
-    p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, or a bundled sample name) instead of --users")
+    p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, a router decision log, or a bundled sample name) instead of --users")
     p.set_defaults(func=cmd_loadtest)
 
 
@@ -185,12 +185,25 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     add_parser(sub)
 
 
+def _add_profile_traffic(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest.traffic_profile import add_parser
+
+    add_parser(sub)
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvrouter.loadtest.shadow_report import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_serve, _add_check_config, _add_sim_replica, _add_loadtest, _add_compare, _add_demo,
-                _add_simulate, _add_config_schema):
+                _add_simulate, _add_config_schema, _add_profile_traffic,
+                _add_report):
         add(sub)
     return parser
 

@@ -162,7 +162,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--profile", default="kimi-k2.6-b200-tp4")
     p.add_argument("--workload", default="coding-agent", help="workload YAML file or built-in name")
-    p.add_argument("--trace", help="replay a trace (Mooncake JSONL, Claude Code JSON or a folder)")
+    p.add_argument("--trace", help="replay a trace (Mooncake JSONL, Claude Code JSON, a folder, or a "
+                   "router decision log)")
     p.add_argument("--policy", "--policies", dest="policy", default="coding-agent",
                    help="comma-separated policies, each run on the same seeded traffic")
     p.add_argument("--duration", type=float, default=600.0, help="simulated seconds")

@@ -1,4 +1,5 @@
-"""Trace replay: Mooncake and Claude Code (kv-cache-tester) traces as workload sessions.
+"""Trace replay: Mooncake and Claude Code (kv-cache-tester) traces, and the router's own decision
+log, as workload sessions.
 
 A trace becomes ``[(start_s, session), ...]`` for ``ClusterSimulator(..., arrivals=...)`` (open loop
 across sessions, closed loop within each) or for the live driver. :func:`trace_sessions` picks the
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 
 from .trace_claude_code import claude_code_arrivals
+from .trace_decision_log import decision_log_arrivals, is_decision_log
 from .trace_mooncake import mooncake_arrivals
 from .trace_session import Arrivals, PathLike
 
@@ -56,8 +58,9 @@ def bundled_traces() -> dict[str, list[Path]]:
 
 def trace_sessions(path: PathLike, **kw: Any) -> Arrivals:
     """Arrivals of any supported trace, by format: a ``.jsonl`` of ``timestamp`` + ``hash_ids``
-    lines (Mooncake, see :func:`mooncake_arrivals`), a ``.json`` with ``requests`` (kv-cache-tester,
-    see :func:`claude_code_arrivals`), a directory (its ``trace_*.json``), or a bundled sample name
+    lines (Mooncake, see :func:`mooncake_arrivals`), a router decision log (any file whose
+    first line names its format, see :func:`decision_log_arrivals`), a ``.json`` with
+    ``requests`` (kv-cache-tester, see :func:`claude_code_arrivals`), a directory (its ``trace_*.json``), or a bundled sample name
     (:func:`bundled_traces`). ``kw`` goes to the format's function."""
     p = Path(path)
     if not p.exists() and str(path) in bundled_traces():
@@ -69,13 +72,16 @@ def trace_sessions(path: PathLike, **kw: Any) -> Arrivals:
         return claude_code_arrivals(p, **kw)
     if not p.is_file():
         raise FileNotFoundError(f"no such trace: {p} (bundled: {', '.join(bundled_traces())})")
+    with p.open("rb") as fh:
+        first = next((line for line in fh if line.strip()), b"")
+    if first.startswith(b'{"format"') and is_decision_log(orjson.loads(first)):
+        return decision_log_arrivals(p, **kw)  # any file name: rotated logs end in .1, .2, ...
     if p.suffix == ".jsonl":
-        with p.open("rb") as fh:
-            first = next((line for line in fh if line.strip()), b"")
         row = orjson.loads(first) if first else None
         if isinstance(row, dict) and "hash_ids" in row and "timestamp" in row:
             return mooncake_arrivals(p, **kw)
-        raise ValueError(f"{p}: unknown .jsonl trace format (want Mooncake lines with timestamp, hash_ids)")
+        raise ValueError(f"{p}: unknown .jsonl trace format (want Mooncake lines with timestamp, "
+                         "hash_ids, or a kvrouter decision log)")
     if p.suffix == ".json":
         return claude_code_arrivals([p], **kw)
     raise ValueError(

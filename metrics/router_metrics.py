@@ -223,6 +223,33 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.decision_log_dropped = Counter(
+            "kvrouter_decision_log_dropped_total",
+            "Decision-log lines dropped because the writer thread's queue was full.",
+            registry=r,
+        )
+        self.shadow_decisions = Counter(
+            "kvrouter_shadow_decisions_total",
+            "Decisions a shadow policy (routing.shadow) was asked for, by whether it picked the "
+            "replica the live policy picked.",
+            ["shadow", "agrees"],
+            registry=r,
+        )
+        self.shadow_picks = Counter(
+            "kvrouter_shadow_picks_total",
+            "Decisions a shadow policy (routing.shadow) would have sent to this replica.",
+            ["replica", "shadow"],
+            registry=r,
+        )
+        self.shadow_predicted_ttft = Counter(
+            "kvrouter_shadow_predicted_ttft_seconds_total",
+            "With shadow policies on: sum of the predicted TTFT of each policy's picks, the live "
+            "one (role=live) and each shadow (role=shadow) on the same decisions; a shadow's "
+            "predicted gain is its sum minus the live one's.",
+            ["policy", "role"],
+            registry=r,
+        )
+
     # -- hot-path label children -------------------------------------------------------------
     # `Metric.labels(...)` validates and hashes its arguments and takes a lock on every call; the
     # request path asks for the same few children per replica, route and reason over and over,

@@ -23,7 +23,8 @@ from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
-from .config import RouterConfig
+from .config import ConfigError, RouterConfig
+from .decision_log import DecisionLog, worker_path
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
@@ -43,6 +44,8 @@ from .sessions import SessionTable
 from .summary import ExactBlocks
 from .supervise import spawn
 from .tokenizers import TokenizePool, load_tokenizer
+from .tracing import Tracing, TracingUnavailable
+from .tracing import wanted as tracing_wanted
 
 log = logging.getLogger("kvrouter")
 
@@ -119,6 +122,23 @@ class Router:
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
+        obs = config.observability
+        self.decision_log: DecisionLog | None = None
+        if obs.decision_log:
+            path = worker_path(obs.decision_log, worker)
+            try:
+                self.decision_log = DecisionLog(
+                    path, max_bytes=obs.decision_log_max_bytes, backups=obs.decision_log_backups,
+                    queue_size=obs.decision_log_queue, on_drop=self.metrics.decision_log_dropped.inc)
+            except OSError as err:
+                raise ConfigError(f"observability.decision_log: cannot write {path} ({err.strerror})") from None
+            self.relay.decision_log = self.decision_log
+            self.engine.explain = True
+        self.engine.shadows = tuple((name, build_policy(name)) for name in config.routing.shadow)
+        self.tracing = self._make_tracing(config)
+        if self.tracing is not None:
+            self.relay.tracing = self.tracing
+            self.engine.explain = True
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
@@ -154,6 +174,19 @@ class Router:
             max_sessions=a.max_sessions, buckets=a.redis_buckets, cluster=a.redis_cluster,
             on_evict=self.metrics.sessions_evicted.labels("redis").inc, metrics=self.metrics,
         )
+
+    @staticmethod
+    def _make_tracing(config: RouterConfig) -> Tracing | None:
+        obs = config.observability
+        if not tracing_wanted(obs):
+            return None
+        try:
+            return Tracing(obs)
+        except TracingUnavailable as err:
+            if obs.otel_endpoint:  # asked for in the config: a start-up error naming the key
+                raise ConfigError(f"observability.otel_endpoint: {err}") from None
+            log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but %s; running without tracing", err)
+            return None
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
         if signals.max_total_num_tokens:
@@ -212,4 +245,8 @@ class Router:
         await self.relay.close()
         if self.tokenize_pool is not None:
             self.tokenize_pool.close()
+        if self.decision_log is not None:
+            await asyncio.to_thread(self.decision_log.close)  # flushes, joins its writer thread
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
 

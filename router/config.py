@@ -160,6 +160,21 @@ class RoutingConfig(_Strict):
     )
     target_hint_header: str = Field("x-smg-target-worker", description="Header naming the replica URL.")
     target_hint_field: str = Field("target_worker", description="Body field naming the replica URL.")
+    shadow: tuple[str, ...] = Field(
+        (), description="Shadow policies (types or presets, default params): each request's "
+        "snapshot also goes to them, no traffic moves; the decision log and the "
+        "kvrouter_shadow_* metrics record where each would have sent it and its predicted cost.",
+    )
+
+    @field_validator("shadow")
+    @classmethod
+    def _known_shadows(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if name not in policy_names():
+                raise ValueError(f"unknown policy {name!r} (known: {', '.join(policy_names())})")
+        if len(set(value)) != len(value):
+            raise ValueError("a shadow policy is named twice")
+        return value
 
 
 class LearningConfig(_Strict):
@@ -319,6 +334,30 @@ class AuthConfig(_Strict):
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429.")
 
 
+class ObservabilityConfig(_Strict):
+    """What the router records about its decisions (docs/observability.md)."""
+
+    decision_log: str | None = Field(
+        None, description="File that gets one JSON line per request (time, session hash, prompt "
+        "size, replica, reason, predicted and reported cached tokens, TTFT, status), written by a "
+        "background thread and rotated by size. None: no log.",
+    )
+    decision_log_max_bytes: int = Field(
+        100 * 1024 * 1024, ge=4096, description="Size at which the decision log is rotated."
+    )
+    decision_log_backups: int = Field(5, ge=0, description="Rotated decision-log files kept.")
+    decision_log_queue: int = Field(
+        10_000, ge=1, description="Lines waiting for the writer thread at most; past it lines are "
+        "dropped and counted (kvrouter_decision_log_dropped_total), never waited for.",
+    )
+    otel_endpoint: str | None = Field(
+        None, description="OTLP/HTTP base URL spans are exported to (`/v1/traces` is appended), "
+        "e.g. http://otel-collector:4318. None: the standard OTEL_EXPORTER_OTLP_ENDPOINT (or "
+        "..._TRACES_ENDPOINT) variable if set, else no tracing. Needs the `otel` extra.",
+    )
+    otel_service_name: str = Field("kvrouter", description="The spans' service.name.")
+
+
 class RouterConfig(_Strict):
     server: ServerConfig = ServerConfig()
     replicas: tuple[ReplicaUrl, ...] = Field((), description="Static replica base URLs.")
@@ -332,6 +371,7 @@ class RouterConfig(_Strict):
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
 
 def _one_line(err: ValidationError) -> str:

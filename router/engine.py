@@ -18,11 +18,12 @@ import statistics
 from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.domain import Decision, Policy, RequestSummary, SessionView
+from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
+from ..policies.predict import predict
 from .kv_index import KVIndex
 from .learning import UsageLearner
-from .placement import Placement, RequestRoute, SessionStore
+from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -58,6 +59,13 @@ class RoutingEngine:
         table.on_home_change = self.sync_homed  # replica views carry their homed totals
         self.rng = rng
         self.fresh_since: dict[str, float] = {}
+        # Observability (off by default, then free): `explain` gives each placement what its
+        # decision predicts (decision log, tracing); `shadows` are policies asked the same question
+        # on the same snapshot, whose answers are only recorded. Their own rng leaves the live
+        # policy's random stream (and so the simulator's runs) unchanged.
+        self.explain = False
+        self.shadows: tuple[tuple[str, Policy], ...] = ()  # (name as configured, policy)
+        self._shadow_rng = random.Random(0)
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""
@@ -81,10 +89,10 @@ class RoutingEngine:
         self.fresh_since.pop(url, None)
 
     # -- per request ---------------------------------------------------------------------------
-    def decide(
+    def prepare(
         self, summary: RequestSummary, session: SessionView | None
-    ) -> tuple[Decision | None, RequestSummary]:
-        """The policy's decision, and `summary` with the KV-index match filled in. Records nothing."""
+    ) -> tuple[Snapshot, RequestSummary]:
+        """The snapshot a decision sees, and `summary` with the KV-index match filled in."""
         if summary.prefix_blocks:
             matched = self.index.match(summary.prefix_blocks, self.match_limit)
             on_host = self.index.match_host(summary.prefix_blocks, self.match_limit)
@@ -92,7 +100,39 @@ class RoutingEngine:
         snapshot = self.registry.snapshot()
         if session is not None:
             snapshot = snapshot.with_session(session)
+        return snapshot, summary
+
+    def decide(
+        self, summary: RequestSummary, session: SessionView | None
+    ) -> tuple[Decision | None, RequestSummary]:
+        """The policy's decision, and `summary` with the KV-index match filled in. Records nothing."""
+        snapshot, summary = self.prepare(summary, session)
         return self.policy.decide(snapshot, summary, self.rng), summary
+
+    def notes(self, snapshot: Snapshot, summary: RequestSummary, decision: Decision) -> DecisionNotes:
+        """What `decision` predicts, and where each shadow policy would have sent the request
+        (pure calls on the same snapshot; the shadow metrics are counted here)."""
+        chosen = predict(snapshot, summary, decision.replica)
+        shadows = []
+        m = self.metrics
+        for name, shadow in self.shadows:
+            other = shadow.decide(snapshot, summary, self._shadow_rng)
+            guess = predict(snapshot, summary, other.replica) if other is not None else None
+            shadows.append((name, other, guess))
+            if m is not None:
+                agrees = guess is not None and guess.replica == decision.replica
+                m.child(m.shadow_decisions, name, "true" if agrees else "false").inc()
+                if guess is not None:
+                    m.child(m.shadow_picks, guess.replica, name).inc()
+                if guess is not None and guess.ttft_s is not None:
+                    m.child(m.shadow_predicted_ttft, name, "shadow").inc(guess.ttft_s)
+        if m is not None and self.shadows and chosen.ttft_s is not None:
+            m.child(m.shadow_predicted_ttft, self.policy.name, "live").inc(chosen.ttft_s)
+        healthy = snapshot.healthy_count
+        if healthy is None:
+            healthy = sum(r.healthy for r in snapshot.replicas)
+        tried = sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
+        return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy - tried)
 
     def place(
         self,
@@ -110,14 +150,18 @@ class RoutingEngine:
             if not self.registry.healthy(target):  # checked by the handler, but awaits came since
                 return None
             decision: Decision | None = Decision(target, "target_hint")
+            notes = None
         else:
-            decision, summary = self.decide(summary, session)
+            snapshot, summary = self.prepare(summary, session)
+            decision = self.policy.decide(snapshot, summary, self.rng)
+            notes = (self.notes(snapshot, summary, decision)
+                     if decision is not None and (self.explain or self.shadows) else None)
         if decision is None:
             return None
         if self.metrics is not None:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()
-        return Placement(self, summary, session, decision, target=target, retry_of=retry_of)
+        return Placement(self, summary, session, decision, target=target, retry_of=retry_of, notes=notes)
 
     def route(self, summary: RequestSummary, store: SessionStore, target: str | None = None) -> RequestRoute:
         """One request's routing in its session: `async with engine.route(...) as route:`

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..policies.domain import Decision, RequestSummary, SessionView
+from ..policies.predict import Prediction
 from .usage import UsageReport
 
 if TYPE_CHECKING:
@@ -76,11 +77,24 @@ class HomeMove:
     home: str
 
 
+@dataclass(frozen=True, slots=True)
+class DecisionNotes:
+    """What a decision predicted (`chosen`) and, per shadow policy, its name, its decision (None:
+    no replica) and that decision's prediction: for the decision log, tracing and shadow metrics."""
+
+    policy: str
+    chosen: Prediction
+    shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = ()
+    candidates: int = 0  # replicas the policy could choose from (healthy, not tried yet)
+
+
 class Placement:
     """One attempt of one request on one replica. Built by `RoutingEngine.place`, which has
-    already reserved the replica's in-flight slot."""
+    already reserved the replica's in-flight slot. What happened to it (time to first byte, the
+    usage reported, why it broke off) is kept for the decision log and tracing."""
 
-    __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried",
+    __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
+                 "ttfb_s", "usage", "error",
                  "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration")
 
     def __init__(
@@ -92,8 +106,13 @@ class Placement:
         *,
         target: str | None = None,
         retry_of: Placement | None = None,
+        notes: DecisionNotes | None = None,
     ) -> None:
         self.engine = engine
+        self.notes = notes  # with engine.explain or shadow policies on; else None
+        self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
+        self.usage: UsageReport | str | None = None  # as reported (or why not)
+        self.error: str | None = None  # why this attempt failed (unreachable or broke off)
         self.summary = summary  # with the KV-index match filled in
         self.session = session  # as read before the request's first placement
         self.decision = decision
@@ -205,6 +224,7 @@ class Placement:
     def unreachable(self, kind: str) -> None:
         """The replica never got the request (`kind`: connect, connect_timeout): a failure
         against its health, an upstream error and a retry (counted even on the last attempt)."""
+        self.error = kind
         self.engine.registry.record_failure(self.url)
         self._count_error(kind, retried=True)
 
@@ -212,6 +232,7 @@ class Placement:
         """The replica got the request, then the exchange failed: a timeout (header, idle,
         total), a body cut off, an SSE event past the cap. An upstream error; never retried (it
         may still be working on it) and never held against its health."""
+        self.error = kind
         self._count_error(kind, retried=False)
 
     def answered(self) -> None:
@@ -249,6 +270,7 @@ class Placement:
         """The replica's usage for this request (router/usage.py), or why there is none: the
         engine's learner calibrates and corrects the KV index from it. `prompt_bytes`: the
         prompt text's size (0: nothing to calibrate)."""
+        self.usage = usage
         learner = self.engine.learner
         if learner is None:
             return
@@ -281,7 +303,7 @@ class RequestRoute:
     `__aexit__`: a session is ended only if it was acquired. Requests without a session key
     touch the store only to confirm nothing."""
 
-    __slots__ = ("engine", "store", "summary", "target", "session", "_key")
+    __slots__ = ("engine", "store", "summary", "target", "session", "last", "_key")
 
     def __init__(
         self, engine: RoutingEngine, store: SessionStore, summary: RequestSummary, target: str | None
@@ -291,6 +313,7 @@ class RequestRoute:
         self.summary = summary
         self.target = target
         self.session: SessionView | None = None
+        self.last: Placement | None = None  # the latest attempt the transport made (logging)
         self._key: str | None = None  # set while the store counts this request
 
     async def __aenter__(self) -> RequestRoute:

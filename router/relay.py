@@ -22,10 +22,12 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
 from .affinity import AffinityStore
 from .config import UpstreamConfig
+from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
+from .tracing import RequestTrace, Tracing
 from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
 from .upstream_http import (
     UpstreamBodyError,
@@ -105,6 +107,8 @@ class Relay:
         self._active: set[asyncio.Task[object]] = set()  # handlers forwarding a request now
         self._cut: set[asyncio.Task[object]] = set()  # of those, the ones cut_requests cancelled
         self._cut_reason = ""
+        self.decision_log: DecisionLog | None = None  # one line per request when set
+        self.tracing: Tracing | None = None  # OpenTelemetry spans per request when set
         self.timeout = aiohttp.ClientTimeout(
             total=config.total_timeout_s, sock_connect=config.connect_timeout_s
         )
@@ -162,18 +166,42 @@ class Relay:
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
+        logged = self.decision_log is not None
+        arrived, started = (time.time(), self.clock()) if logged else (0.0, 0.0)
+        status = 499  # the client went away, unless a response says otherwise
+        route: RequestRoute | None = None
+        trace = (self.tracing.begin(request.method, request.path, request.headers, request_id)
+                 if self.tracing is not None else None)
         try:
             async with self.engine.route(summary, self.affinity, target) as route:
-                return await self._attempts(request, body, route, request_id,
-                                            UsageAccount(request.path, prompt_bytes, drop_usage))
+                response = await self._attempts(request, body, route, request_id,
+                                                UsageAccount(request.path, prompt_bytes, drop_usage), trace)
+                status = response.status
+                return response
         except asyncio.CancelledError:
             if not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
+            status = 503
             return error_response(503, self._cut_reason, "service_unavailable",
                                   {REQUEST_ID: request_id, "Connection": "close"})
         finally:
             self._active.discard(task)
             self._cut.discard(task)
+            if logged:
+                self._log_decision(arrived, self.clock() - started, request_id, summary, route, status)
+            if trace is not None:
+                trace.end(status)
+
+    def _log_decision(self, arrived: float, duration_s: float, request_id: str,
+                      summary: RequestSummary, route: RequestRoute | None, status: int) -> None:
+        """Queue the request's decision-log line; a fault here never reaches the client."""
+        assert self.decision_log is not None
+        try:
+            placement = route.last if route is not None else None
+            fields = request_fields(request_id, placement.summary if placement else summary, placement)
+            self.decision_log.write(decision_line(arrived, fields, status, duration_s))
+        except Exception:
+            log.exception("decision log line for %s failed", request_id)
 
     async def _attempts(
         self,
@@ -182,6 +210,7 @@ class Relay:
         route: RequestRoute,
         request_id: str,
         usage: UsageAccount,
+        trace: RequestTrace | None = None,
     ) -> web.StreamResponse:
         """Send to each placement in turn (router/placement.py) until a replica takes the
         request; retries only before the first byte reaches the client. What each attempt
@@ -194,14 +223,20 @@ class Relay:
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
+        decide_ns = time.time_ns() if trace is not None else 0  # when the decision began
         placement = route.place()
         for attempt in range(max_attempts):
             if placement is None:
                 break
             current, placement = placement, None
+            route.last = current
+            status: int | None = None  # the replica's answer, for the upstream span
             try:  # no await since place() or retry(): done() always releases the slot
                 await current.confirm_home(route.store)
                 url = current.url
+                if trace is not None:
+                    trace.decided(current, decide_ns)
+                    trace.upstream_start(current, headers)
                 sent = self.clock()
                 try:
                     upstream = await self.pool.request(request.method, url, path_qs, headers, body)
@@ -210,16 +245,19 @@ class Relay:
                     current.unreachable(kind)
                     last_problem = f"replica {url} unreachable ({kind})"
                     if attempt + 1 < max_attempts:
+                        decide_ns = time.time_ns() if trace is not None else 0
                         placement = current.retry()
                     continue
                 except UpstreamTimeout as err:  # it got it and may still be working: no retry
                     current.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
                 current.answered()
+                status = upstream.status
                 if upstream.status in self.config.retry_statuses and attempt + 1 < max_attempts:
                     current.refused(upstream.status)
                     last_problem = f"replica {url} answered {upstream.status}"
                     upstream.close()
+                    decide_ns = time.time_ns() if trace is not None else 0
                     placement = current.retry()
                     continue
                 served = 200 <= upstream.status < 300
@@ -229,6 +267,8 @@ class Relay:
                 return await self._relay(request, upstream, current, request_id, sent, usage)
             finally:
                 current.done()
+                if trace is not None:
+                    trace.upstream_end(current, status)
         return error_response(
             503,
             f"no replica could take the request: {last_problem}",
@@ -271,7 +311,8 @@ class Relay:
                         502, f"replica {url} failed while sending its response", "upstream_error",
                         headers={REQUEST_ID: request_id},
                     )
-                self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+                attempt.ttfb_s = self.clock() - sent
+                self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
             if whole:
                 usage.read_body(first)
                 return web.Response(status=upstream.status, body=first, headers=headers)
@@ -349,7 +390,8 @@ class Relay:
         try:
             if first is None:
                 chunk = await readany()
-                self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+                attempt.ttfb_s = self.clock() - sent
+                self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
             else:
                 chunk = first
             while chunk:

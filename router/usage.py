@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 class UsageReport:
     prompt_tokens: int
     cached_tokens: int | None  # None: the replica does not report its cache hits
+    completion_tokens: int | None = None  # None: not reported (or not a count)
 
 
 def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
@@ -62,18 +63,20 @@ def _count(value: Any) -> int | str:
     return value
 
 
-def _report(prompt: Any, cached: Any) -> UsageReport | str:
+def _report(prompt: Any, cached: Any, completion: Any = None) -> UsageReport | str:
     p = _count(prompt)
     if isinstance(p, str):
         return p
+    out = _count(completion)  # only logged: a bad one is left out, not held against the usage
+    out_tokens = out if isinstance(out, int) else None
     if cached is None:
-        return UsageReport(p, None)
+        return UsageReport(p, None, out_tokens)
     c = _count(cached)
     if isinstance(c, str):
         return c
     if c > p:
         return "garbage"  # more cached than the prompt: not a usage this router can trust
-    return UsageReport(p, c)
+    return UsageReport(p, c, out_tokens)
 
 
 def from_usage(usage: Any) -> UsageReport | str:
@@ -87,7 +90,8 @@ def from_usage(usage: Any) -> UsageReport | str:
     details = usage.get("prompt_tokens_details")
     if details is not None and not isinstance(details, dict):
         return "garbage"
-    return _report(usage["prompt_tokens"], details.get("cached_tokens") if details else None)
+    return _report(usage["prompt_tokens"], details.get("cached_tokens") if details else None,
+                   usage.get("completion_tokens"))
 
 
 def from_meta_info(meta: Any) -> UsageReport | str:
@@ -98,7 +102,7 @@ def from_meta_info(meta: Any) -> UsageReport | str:
         return "garbage"
     if "prompt_tokens" not in meta:
         return "missing"
-    return _report(meta["prompt_tokens"], meta.get("cached_tokens"))
+    return _report(meta["prompt_tokens"], meta.get("cached_tokens"), meta.get("completion_tokens"))
 
 
 def from_object(route: str, obj: Any) -> UsageReport | str:

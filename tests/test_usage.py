@@ -40,10 +40,13 @@ class _St:  # the fields sim_responses.usage reads
 
 
 def test_openai_usage_as_sglang_sends_it() -> None:
-    assert from_usage(out.usage(_St(), enable_cache_report=True)) == UsageReport(300, 128)
+    assert from_usage(out.usage(_St(), enable_cache_report=True)) == UsageReport(300, 128, 7)
     # without --enable-cache-report prompt_tokens_details is null: prompt tokens only
-    assert from_usage(out.usage(_St(), enable_cache_report=False)) == UsageReport(300, None)
+    assert from_usage(out.usage(_St(), enable_cache_report=False)) == UsageReport(300, None, 7)
     assert from_meta_info({"prompt_tokens": 300, "cached_tokens": 128, "id": "x"}) == UsageReport(300, 128)
+    assert from_meta_info({"prompt_tokens": 3, "completion_tokens": 2}) == UsageReport(3, None, 2)
+    # output tokens are only logged: a bad count is left out, the usage still counts
+    assert from_usage({"prompt_tokens": 3, "completion_tokens": "x"}) == UsageReport(3, None, None)
 
 
 def test_unreadable_usage_gives_a_reason() -> None:

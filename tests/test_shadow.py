@@ -1,0 +1,114 @@
+"""Shadow policies (routing.shadow): asked on every decision's snapshot, recorded, never moving
+traffic; and `kvrouter report LOG`, which compares them with the live policy."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvrouter.loadtest.shadow_report import render_report, shadow_report
+from kvrouter.metrics.router_metrics import RouterMetrics
+from kvrouter.policies.domain import Decision, RequestSummary
+from kvrouter.policies.registry import build_policy
+from kvrouter.router.config import ConfigError, parse_config
+from kvrouter.router.decision_log import LOG_FORMAT
+from kvrouter.router.engine import RoutingEngine
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
+from kvrouter.router.replicas import ReplicaRegistry
+from kvrouter.router.sessions import SessionTable
+from tests.test_placement import Scripted
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+def make_engine(policy, shadows: tuple[str, ...] = ()) -> RoutingEngine:
+    engine = RoutingEngine(policy, ReplicaRegistry([A, B, C]), ShadowKVIndex(), SessionTable(),
+                           random.Random(1), metrics=RouterMetrics())
+    engine.shadows = tuple((name, build_policy(name)) for name in shadows)
+    return engine
+
+
+def placed(engine: RoutingEngine, n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100, prefix_blocks=(i, i + 1)), None)
+        assert p is not None
+        out.append(p.url)
+        p.done()
+    return out
+
+
+def test_shadows_never_change_where_traffic_goes() -> None:
+    # The live policy draws from the engine's rng; shadows that draw too must not disturb it.
+    plain = placed(make_engine(build_policy("random")), 60)
+    shadowed_engine = make_engine(build_policy("random"), ("random", "consistent-hash", "prefix-aware"))
+    assert placed(shadowed_engine, 60) == plain
+    assert len(set(plain)) == 3
+
+
+def test_each_shadow_records_its_pick_and_prediction_on_the_same_snapshot() -> None:
+    engine = make_engine(Scripted(Decision(A, "scripted")), ("prefix-aware",))
+    blocks = tuple(range(40))
+    engine.index.record(B, blocks)  # B holds the prompt's prefix; the live policy picks A anyway
+    p = engine.place(RequestSummary("/v1/completions", prompt_tokens=40 * 64, prefix_blocks=blocks), None)
+    assert p is not None and p.url == A and p.notes is not None
+    (name, decision, guess), = p.notes.shadows
+    assert name == "prefix-aware" and decision is not None and decision.replica == B
+    assert guess is not None and guess.cached_tokens > 0 and p.notes.chosen.cached_tokens == 0
+    assert guess.ttft_s is not None and p.notes.chosen.ttft_s is not None
+    assert guess.ttft_s < p.notes.chosen.ttft_s  # the cached replica is predicted faster
+    reg = engine.metrics.registry
+    assert reg.get_sample_value("kvrouter_shadow_decisions_total",
+                                {"shadow": "prefix-aware", "agrees": "false"}) == 1
+    assert reg.get_sample_value("kvrouter_shadow_picks_total", {"shadow": "prefix-aware", "replica": B}) == 1
+    p.done()
+
+
+def test_no_shadows_no_notes() -> None:
+    engine = make_engine(Scripted(Decision(A, "scripted")))
+    p = engine.place(RequestSummary("/v1/completions", prompt_tokens=10), None)
+    assert p is not None and p.notes is None  # nothing computed when nothing records it
+    p.done()
+
+
+def test_unknown_or_repeated_shadow_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"routing\.shadow: unknown policy 'nope'"):
+        parse_config({"routing": {"shadow": ["nope"]}})
+    with pytest.raises(ConfigError, match=r"routing\.shadow: a shadow policy is named twice"):
+        parse_config({"routing": {"shadow": ["prefix-aware", "prefix-aware"]}})
+
+
+def _row(replica: str, ttft: float, shadows: dict[str, tuple[str, float, int]], **extra) -> dict:
+    return {"t": 1.0, "replica": replica, "policy": "coding_agent", "predicted_cached": 100,
+            "predicted_ttft_s": ttft, "ttft_s": ttft + 0.1, "reported_cached": 90,
+            "shadow": {n: {"replica": r, "predicted_ttft_s": t, "predicted_cached": c}
+                       for n, (r, t, c) in shadows.items()}, "status": 200, **extra}
+
+
+def test_report_summarises_agreement_and_predicted_gain(tmp_path: Path) -> None:
+    rows = [
+        _row(A, 1.0, {"prefix-aware": (A, 1.0, 100), "consistent-hash": (B, 3.0, 0)}),
+        _row(B, 2.0, {"prefix-aware": (B, 2.0, 100), "consistent-hash": (C, 1.0, 0)}),
+        {"t": 2.0, "replica": None, "status": 503},  # no decision: not counted
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [{"format": LOG_FORMAT}, *rows]))
+    report = shadow_report(path)
+    ph, pa = report["shadows"]["consistent-hash"], report["shadows"]["prefix-aware"]
+    assert pa["agreement"] == 1.0 and pa["predicted_gain_s"] == 0.0
+    assert ph["agreement"] == 0.0 and ph["predicted_gain_s"] == pytest.approx(0.5)  # (3+1)/2 - (1+2)/2
+    assert ph["shadow_faster_share"] == 0.5 and ph["predicted_cached_mean"] == 0
+    assert report["live"]["requests"] == 2 and report["live"]["measured_ttft_mean_s"] == pytest.approx(1.6)
+    table = render_report(report)
+    assert "| consistent-hash | 2 | 0.0% | 0 / 100 | 2.000 / 1.500 | 0.500 | 50.0% |" in table
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "kvrouter.cli", "report", str(path), "--json", str(out)],
+                          check=True, capture_output=True, text=True, timeout=60)
+    assert "| prefix-aware | 2 | 100.0% |" in done.stdout
+    assert json.loads(out.read_text())["shadows"]["prefix-aware"]["requests"] == 2
