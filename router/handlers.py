@@ -18,6 +18,7 @@ from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .relay import Relay
 from .replicas import ReplicaRegistry
+from .prefix_chain import PrefixChains
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
 from .usage import ask_stream_usage
 from .tokenizers import TokenizePool
@@ -45,6 +46,7 @@ class Handlers:
         self.clock = clock
         self._exact_blocks = exact_blocks
         self.tokenize_pool = tokenize_pool
+        self.prefix_chains = PrefixChains(int(config.routing.prefix_chain_cache_mb * 2**20))
         self.shutting_down = False
 
     def stop_accepting(self) -> None:
@@ -139,7 +141,8 @@ class Handlers:
         model = parsed.get("model")
         bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(
             model if isinstance(model, str) else None)
-        return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token)
+        return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token,
+                         self.prefix_chains)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:
