@@ -20,7 +20,7 @@ from .relay import Relay
 from .replicas import ReplicaRegistry
 from .prefix_chain import PrefixChains
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
-from .usage import ask_stream_usage
+from .usage import body_asking_stream_usage
 from .tokenizers import TokenizePool
 
 
@@ -116,9 +116,11 @@ class Handlers:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
-        drop_usage = self.config.learning.inject_stream_usage and ask_stream_usage(route, parsed)
-        if drop_usage:
-            body = orjson.dumps(parsed)  # parsed, hence nested at most as deep as orjson writes
+        asked = body_asking_stream_usage(route, parsed, body) \
+            if self.config.learning.inject_stream_usage else None
+        drop_usage = asked is not None
+        if asked is not None:
+            body = asked
         summary, text_bytes = await self._summarize(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target,
                                         prompt_bytes=text_bytes, drop_usage=drop_usage)
