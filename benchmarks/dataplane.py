@@ -123,24 +123,29 @@ def ratio(a: float, b: float) -> float:
 
 async def measure(args: argparse.Namespace, targets: dict[str, str],
                   pids: dict[str, int]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"loadavg_after": {}}  # the 1-minute load average after each section
     print("(a) streaming C=1 ...", flush=True)
     out["streaming_c1"] = await sc.streaming_c1(targets, args.requests, 20, args.clients)
+    out["loadavg_after"]["streaming_c1"] = os.getloadavg()[0]
     if args.large_requests:
         print(f"(a') streaming C=1, ~{args.large_kb} KB append-only prompts ...", flush=True)
         out["streaming_c1_large"] = await sc.streaming_c1(targets, args.large_requests, 20, args.clients,
                                                           prompt_kb=args.large_kb)
+        out["loadavg_after"]["streaming_c1_large"] = os.getloadavg()[0]
     print("(b) streaming C=64 paced ...", flush=True)
     out["paced_c64"] = await sc.paced_streams(targets, 64, args.paced_chunks, 10, args.paced_rounds)
+    out["loadavg_after"]["paced_c64"] = os.getloadavg()[0]
     print("(c) non-streaming C=16 ...", flush=True)
     out["nonstreaming_c16"] = await sc.nonstreaming_rps(
         targets, 16, args.seconds, args.rounds, [c for c in args.clients if c != "openai"], pids)
+    out["loadavg_after"]["nonstreaming_c16"] = os.getloadavg()[0]
     print(f"(d) {args.streams} slow streams ...", flush=True)
     slow: dict[str, Any] = {}
     for t, url in targets.items():
         slow[t] = await sc.slow_streams(url, pids[t], args.streams, args.slow_chunks, 50,
                                         args.stagger_ms / 1000)
     out["slow_streams"] = slow
+    out["loadavg_after"]["slow_streams"] = os.getloadavg()[0]
     return out
 
 
@@ -205,7 +210,9 @@ def report_c1(rows: dict[str, Any], title: str, others: list[str]) -> None:
 def report(result: dict[str, Any], names: list[str]) -> None:
     others = [n for n in names if n != "direct"]
     print(f"\nupstream: {result['upstream']}; machine: {result['machine']['cpus']} CPUs, "
-          f"{result['machine']['cpu_model']}")
+          f"{result['machine']['cpu_model']}; load average (1 min) at start "
+          f"{result['machine']['loadavg_at_start'][0]:.1f}, after each section "
+          + ", ".join(f"{k} {v:.1f}" for k, v in result.get("loadavg_after", {}).items()))
     for key, title in (("streaming_c1", "(a) streaming C=1, 20 chunks"),
                        ("streaming_c1_large", "(a') the same, ~400 KB append-only prompts")):
         if key in result:
@@ -308,6 +315,7 @@ def main() -> int:
     if not args.no_placement:
         print("(f) placement ...", flush=True)
         result["placement"] = placement()
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
     report(result, list(targets))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
