@@ -7,7 +7,8 @@ router as separate processes on 127.0.0.1, then interleaves the targets request 
 hits all alike:
 
   (a) streaming C=1, 20 chunks: time to first byte and total, with aiohttp, async httpx and the
-      synchronous OpenAI SDK (in a thread), each on keep-alive connections;
+      synchronous OpenAI SDK (in a thread), each on keep-alive connections; (a') the same with
+      ~400 KB prompts, each request the next turn of an append-only conversation;
   (b) streaming C=64, chunks paced 10 ms apart: per-chunk delivery latency (upstream write ->
       client read, same CLOCK_MONOTONIC) and inter-chunk gaps;
   (c) non-streaming C=16 requests/s (aiohttp and httpx clients);
@@ -122,20 +123,29 @@ def ratio(a: float, b: float) -> float:
 
 async def measure(args: argparse.Namespace, targets: dict[str, str],
                   pids: dict[str, int]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"loadavg_after": {}}  # the 1-minute load average after each section
     print("(a) streaming C=1 ...", flush=True)
     out["streaming_c1"] = await sc.streaming_c1(targets, args.requests, 20, args.clients)
+    out["loadavg_after"]["streaming_c1"] = os.getloadavg()[0]
+    if args.large_requests:
+        print(f"(a') streaming C=1, ~{args.large_kb} KB append-only prompts ...", flush=True)
+        out["streaming_c1_large"] = await sc.streaming_c1(targets, args.large_requests, 20, args.clients,
+                                                          prompt_kb=args.large_kb)
+        out["loadavg_after"]["streaming_c1_large"] = os.getloadavg()[0]
     print("(b) streaming C=64 paced ...", flush=True)
     out["paced_c64"] = await sc.paced_streams(targets, 64, args.paced_chunks, 10, args.paced_rounds)
+    out["loadavg_after"]["paced_c64"] = os.getloadavg()[0]
     print("(c) non-streaming C=16 ...", flush=True)
     out["nonstreaming_c16"] = await sc.nonstreaming_rps(
         targets, 16, args.seconds, args.rounds, [c for c in args.clients if c != "openai"], pids)
+    out["loadavg_after"]["nonstreaming_c16"] = os.getloadavg()[0]
     print(f"(d) {args.streams} slow streams ...", flush=True)
     slow: dict[str, Any] = {}
     for t, url in targets.items():
         slow[t] = await sc.slow_streams(url, pids[t], args.streams, args.slow_chunks, 50,
                                         args.stagger_ms / 1000)
     out["slow_streams"] = slow
+    out["loadavg_after"]["slow_streams"] = os.getloadavg()[0]
     return out
 
 
@@ -183,12 +193,9 @@ def placement() -> dict[str, Any]:
         return json.loads(Path(out.name).read_text())
 
 
-def report(result: dict[str, Any], names: list[str]) -> None:
-    others = [n for n in names if n != "direct"]
-    print(f"\nupstream: {result['upstream']}; machine: {result['machine']['cpus']} CPUs, "
-          f"{result['machine']['cpu_model']}")
-    print("\n(a) streaming C=1, 20 chunks, keep-alive: TTFB and total ms (added over direct)")
-    for client, per in result["streaming_c1"].items():
+def report_c1(rows: dict[str, Any], title: str, others: list[str]) -> None:
+    print(f"\n{title}, keep-alive: TTFB and total ms (added over direct)")
+    for client, per in rows.items():
         d = per["direct"]
         print(f"  {client:8} direct TTFB p50 {d['ttfb']['p50_ms']:.2f} p99 {d['ttfb']['p99_ms']:.2f} "
               f"total p50 {d['total']['p50_ms']:.2f}")
@@ -198,6 +205,18 @@ def report(result: dict[str, Any], names: list[str]) -> None:
                   f"p99 {r['ttfb']['p99_ms']:.2f} ({r['ttfb']['p99_ms'] - d['ttfb']['p99_ms']:+.2f}) "
                   f"max {r['ttfb']['max_ms']:.1f}; total p50 {r['total']['p50_ms']:.2f} "
                   f"({r['total']['p50_ms'] - d['total']['p50_ms']:+.2f}) x{ratio(r['ttfb']['p50_ms'], d['ttfb']['p50_ms']):.2f} TTFB")
+
+
+def report(result: dict[str, Any], names: list[str]) -> None:
+    others = [n for n in names if n != "direct"]
+    print(f"\nupstream: {result['upstream']}; machine: {result['machine']['cpus']} CPUs, "
+          f"{result['machine']['cpu_model']}; load average (1 min) at start "
+          f"{result['machine']['loadavg_at_start'][0]:.1f}, after each section "
+          + ", ".join(f"{k} {v:.1f}" for k, v in result.get("loadavg_after", {}).items()))
+    for key, title in (("streaming_c1", "(a) streaming C=1, 20 chunks"),
+                       ("streaming_c1_large", "(a') the same, ~400 KB append-only prompts")):
+        if key in result:
+            report_c1(result[key], title, others)
     print("\n(b) streaming C=64, 10 ms pacing: chunk delivery latency ms (added over direct)")
     d = result["paced_c64"]["direct"]
     print(f"  direct       p50 {d['chunk_latency']['p50_ms']:.2f} p99 {d['chunk_latency']['p99_ms']:.2f}"
@@ -241,6 +260,9 @@ def main() -> int:
                         help="another router: {port}, {worker_urls}, {python} are filled in")
     parser.add_argument("--clients", default="aiohttp,httpx,openai")
     parser.add_argument("--requests", type=int, default=200, help="(a) samples per client and target")
+    parser.add_argument("--large-requests", type=int, default=60,
+                        help="(a') samples per client and target with large prompts (0: skip)")
+    parser.add_argument("--large-kb", type=int, default=400, help="(a') prompt size at the first turn, KB")
     parser.add_argument("--paced-chunks", type=int, default=50, help="(b) chunks per paced stream")
     parser.add_argument("--paced-rounds", type=int, default=3, help="(b) waves of 64 per target")
     parser.add_argument("--seconds", type=float, default=3.0, help="(c) length of one rate run")
@@ -293,6 +315,7 @@ def main() -> int:
     if not args.no_placement:
         print("(f) placement ...", flush=True)
         result["placement"] = placement()
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
     report(result, list(targets))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

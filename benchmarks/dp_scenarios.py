@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import statistics
 import time
@@ -71,13 +72,52 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- (a) streaming C=1: TTFB and total, three clients on keep-alive connections -------------------
-def stream_body(chunks: int, interval_ms: float = 0) -> dict[str, Any]:
-    return {**CHAT, "stream": True, "max_tokens": chunks, "metadata": {"interval_ms": str(interval_ms)}}
+def stream_body(chunks: int, interval_ms: float = 0, messages: list[dict[str, str]] = MESSAGES,
+                ) -> dict[str, Any]:
+    return {**CHAT, "messages": messages, "stream": True, "max_tokens": chunks,
+            "metadata": {"interval_ms": str(interval_ms)}}
 
 
-async def _aiohttp_stream(session: aiohttp.ClientSession, url: str, chunks: int) -> tuple[float, float]:
+_WORDS = ("def", "return", "self", "import", "class", "for", "in", "if", "else", "None", "value",
+          "request", "router", "replica", "prefix", "async", "await", "(", ")", ":", "=", "\n    ")
+
+
+def code_text(rng: random.Random, size: int) -> str:
+    """`size` characters of code-like words."""
+    out: list[str] = []
+    n = 0
+    while n < size:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        n += len(word) + 1
+    return " ".join(out)[:size]
+
+
+class Conversation:
+    """An append-only chat that starts at ~`start_bytes`: each `next_turn` adds an assistant
+    reply and a user message of `turn_bytes` together, as a coding agent's next request does."""
+
+    def __init__(self, rng: random.Random, start_bytes: int, turn_bytes: int) -> None:
+        self.rng = rng
+        self.turn_bytes = turn_bytes
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": code_text(rng, 20_000)}]
+        size = 20_000
+        while size < start_bytes:
+            self.messages.append({"role": "user", "content": code_text(rng, turn_bytes // 2)})
+            self.messages.append({"role": "assistant", "content": code_text(rng, turn_bytes // 2)})
+            size += turn_bytes
+        self.messages.append({"role": "user", "content": code_text(rng, turn_bytes // 2)})
+
+    def next_turn(self) -> list[dict[str, str]]:
+        self.messages.append({"role": "assistant", "content": code_text(self.rng, self.turn_bytes // 2)})
+        self.messages.append({"role": "user", "content": code_text(self.rng, self.turn_bytes // 2)})
+        return self.messages
+
+
+async def _aiohttp_stream(session: aiohttp.ClientSession, url: str, chunks: int,
+                          messages: list[dict[str, str]] = MESSAGES) -> tuple[float, float]:
     start = time.perf_counter()
-    async with session.post(url + CHAT_PATH, json=stream_body(chunks)) as resp:
+    async with session.post(url + CHAT_PATH, json=stream_body(chunks, 0, messages)) as resp:
         assert resp.status == 200, resp.status
         await resp.content.readany()
         first = time.perf_counter() - start
@@ -86,9 +126,10 @@ async def _aiohttp_stream(session: aiohttp.ClientSession, url: str, chunks: int)
     return first, time.perf_counter() - start
 
 
-async def _httpx_stream(client: Any, url: str, chunks: int) -> tuple[float, float]:
+async def _httpx_stream(client: Any, url: str, chunks: int,
+                        messages: list[dict[str, str]] = MESSAGES) -> tuple[float, float]:
     start = time.perf_counter()
-    async with client.stream("POST", url + CHAT_PATH, json=stream_body(chunks)) as resp:
+    async with client.stream("POST", url + CHAT_PATH, json=stream_body(chunks, 0, messages)) as resp:
         assert resp.status_code == 200, resp.status_code
         first = None
         async for _ in resp.aiter_raw():
@@ -97,10 +138,11 @@ async def _httpx_stream(client: Any, url: str, chunks: int) -> tuple[float, floa
     return first or float("nan"), time.perf_counter() - start
 
 
-def _openai_stream(client: Any, chunks: int) -> tuple[float, float]:
+def _openai_stream(client: Any, chunks: int,
+                   messages: list[dict[str, str]] = MESSAGES) -> tuple[float, float]:
     start = time.perf_counter()
     stream = client.chat.completions.create(
-        model="bench", messages=MESSAGES, stream=True, max_tokens=chunks)
+        model="bench", messages=messages, stream=True, max_tokens=chunks)
     first = None
     for _ in stream:
         if first is None:
@@ -109,8 +151,10 @@ def _openai_stream(client: Any, chunks: int) -> tuple[float, float]:
 
 
 async def streaming_c1(targets: dict[str, str], n: int, chunks: int,
-                       clients: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """n requests per (client, target), interleaved target by target, on keep-alive connections."""
+                       clients: Sequence[str], prompt_kb: int = 0) -> dict[str, dict[str, Any]]:
+    """n requests per (client, target), interleaved target by target, on keep-alive connections.
+    With `prompt_kb`, each request is the next turn of one of 4 append-only conversations (per
+    client and target) that start at ~`prompt_kb` KB and grow by 2 KB a turn; else "hello"."""
     import httpx
     import openai
 
@@ -120,10 +164,21 @@ async def streaming_c1(targets: dict[str, str], n: int, chunks: int,
     hx = httpx.AsyncClient(timeout=30)
     oa = {t: openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=30)
           for t, url in targets.items()}
+    rng = random.Random(0)
+    conversations = {(c, t): [Conversation(rng, prompt_kb * 1000, 2000) for _ in range(4)]
+                     for c in clients for t in targets} if prompt_kb else {}
+    turns = {key: 0 for key in conversations}
+
+    def messages(c: str, t: str) -> list[dict[str, str]]:
+        if not prompt_kb:
+            return MESSAGES
+        turns[c, t] += 1
+        return conversations[c, t][turns[c, t] % 4].next_turn()
+
     runners: dict[str, Callable[[str, str], Any]] = {
-        "aiohttp": lambda t, url: _aiohttp_stream(session, url, chunks),
-        "httpx": lambda t, url: _httpx_stream(hx, url, chunks),
-        "openai": lambda t, url: asyncio.to_thread(_openai_stream, oa[t], chunks),
+        "aiohttp": lambda t, url: _aiohttp_stream(session, url, chunks, messages("aiohttp", t)),
+        "httpx": lambda t, url: _httpx_stream(hx, url, chunks, messages("httpx", t)),
+        "openai": lambda t, url: asyncio.to_thread(_openai_stream, oa[t], chunks, messages("openai", t)),
     }
     try:
         for i in range(n + 5):  # the first 5 rounds warm the connections and are dropped

@@ -148,6 +148,10 @@ class RoutingConfig(_Strict):
         ("session_id", "prompt_cache_key", "user"), description="Body fields tried after the headers."
     )
     block_chars: int = Field(256, ge=16, description="Prefix block size in characters (~64 tokens).")
+    prefix_chain_cache_mb: float = Field(
+        64.0, ge=0, description="Memory for recent prompts' block-hash chains, so a turn that "
+        "extends an earlier prompt hashes only its new bytes (0: hash every prompt whole).",
+    )
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
     rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")

@@ -18,8 +18,9 @@ from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .relay import Relay
 from .replicas import ReplicaRegistry
+from .prefix_chain import PrefixChains
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
-from .usage import ask_stream_usage
+from .usage import body_asking_stream_usage
 from .tokenizers import TokenizePool
 
 
@@ -45,6 +46,7 @@ class Handlers:
         self.clock = clock
         self._exact_blocks = exact_blocks
         self.tokenize_pool = tokenize_pool
+        self.prefix_chains = PrefixChains(int(config.routing.prefix_chain_cache_mb * 2**20))
         self.shutting_down = False
 
     def stop_accepting(self) -> None:
@@ -114,9 +116,11 @@ class Handlers:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
-        drop_usage = self.config.learning.inject_stream_usage and ask_stream_usage(route, parsed)
-        if drop_usage:
-            body = orjson.dumps(parsed)  # parsed, hence nested at most as deep as orjson writes
+        asked = body_asking_stream_usage(route, parsed, body) \
+            if self.config.learning.inject_stream_usage else None
+        drop_usage = asked is not None
+        if asked is not None:
+            body = asked
         summary, text_bytes = await self._summarize(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target,
                                         prompt_bytes=text_bytes, drop_usage=drop_usage)
@@ -139,7 +143,8 @@ class Handlers:
         model = parsed.get("model")
         bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(
             model if isinstance(model, str) else None)
-        return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token)
+        return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token,
+                         self.prefix_chains)
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:

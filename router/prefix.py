@@ -61,30 +61,55 @@ def _content_bytes(content: Any) -> bytes:
 
 def prompt_bytes(route: str, body: Mapping[str, Any]) -> bytes:
     """The prompt as one canonical byte string (not the wire JSON, whose key order may vary)."""
+    return prompt_bytes_and_boundaries(route, body)[0]
+
+
+def prompt_bytes_and_boundaries(route: str, body: Mapping[str, Any]) -> tuple[bytes, tuple[int, ...]]:
+    """`prompt_bytes`, and the offsets in it where a chat request's tools and each message end
+    (where an earlier turn of the same conversation ended); none for other routes."""
     if route == "/v1/chat/completions":
         parts: list[bytes] = []
+        ends: list[int] = []
+        size = 0
         if body.get("tools"):
-            parts.append(b"tools\x1e" + orjson.dumps(body["tools"]) + b"\x1d")
+            part = b"tools\x1e" + orjson.dumps(body["tools"]) + b"\x1d"
+            parts.append(part)
+            size += len(part)
+            ends.append(size)
         for m in body.get("messages") or ():
-            if isinstance(m, dict):
-                parts.append(str(m.get("role", "")).encode() + b"\x1e" + _content_bytes(m.get("content")))
+            if isinstance(m, dict):  # pieces joined once: the prompt is copied once, not per piece
+                role = str(m.get("role", "")).encode()
+                content = _content_bytes(m.get("content"))
+                parts += (role, b"\x1e", content)
+                size += len(role) + len(content) + 2
                 if m.get("tool_calls"):
-                    parts.append(orjson.dumps(m["tool_calls"]))
+                    calls = orjson.dumps(m["tool_calls"])
+                    parts.append(calls)
+                    size += len(calls)
                 parts.append(b"\x1d")
-        return b"".join(parts)
+                ends.append(size)
+        return b"".join(parts), tuple(ends)
     if route == "/generate" and isinstance(body.get("input_ids"), list):
         ids = [i for i in body["input_ids"] if isinstance(i, int) and 0 <= i < 2**32]
-        return array("I", ids).tobytes()  # 4 bytes per token keeps block size in step
+        return array("I", ids).tobytes(), ()  # 4 bytes per token keeps block size in step
     key = "text" if route == "/generate" else "prompt"
-    return _content_bytes(body.get(key))
+    return _content_bytes(body.get(key)), ()
 
 
 def text_block_hashes(data: bytes, ns: bytes, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
     """Chained 64-bit hashes (blake2b) of every whole block of the prompt text `data`: the shadow
     index's blocks. Not SGLang's block hashes (sglang_protocol/block_hash.py hashes token ids)."""
-    h = hashlib.blake2b(ns, digest_size=8)
+    return chain_block_hashes(hashlib.blake2b(ns, digest_size=8), data, 0, block_chars, ())[1]
+
+
+def chain_block_hashes(
+    hasher: "hashlib._Hash", data: bytes, start: int, block_chars: int, before: tuple[int, ...]
+) -> tuple["hashlib._Hash", tuple[int, ...]]:
+    """Continue a block chain: `hasher` has absorbed `data[:start]` (whole blocks, whose hashes
+    are `before`); returns it having absorbed every whole block of `data`, and all the hashes."""
+    view = memoryview(data)
     out = []
-    for start in range(0, len(data) - block_chars + 1, block_chars):
-        h.update(data[start : start + block_chars])
-        out.append(int.from_bytes(h.copy().digest(), "big", signed=True))
-    return tuple(out)
+    for begin in range(start, len(data) - block_chars + 1, block_chars):
+        hasher.update(view[begin : begin + block_chars])
+        out.append(int.from_bytes(hasher.copy().digest(), "big", signed=True))
+    return hasher, before + tuple(out) if before else tuple(out)

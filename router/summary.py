@@ -10,7 +10,8 @@ from typing import Any
 
 from ..policies.domain import RequestSummary
 from .config import RoutingConfig
-from .prefix import text_block_hashes, namespace, prompt_bytes, session_key
+from .prefix import namespace, prompt_bytes_and_boundaries, session_key, text_block_hashes
+from .prefix_chain import PrefixChains
 
 BYTES_PER_TOKEN = 4  # ~4 characters per token for code and English; token ids are 4 bytes each
 
@@ -26,6 +27,7 @@ def summarize(
     config: RoutingConfig,
     exact: ExactBlocks | None = None,
     bytes_per_token: float = BYTES_PER_TOKEN,
+    chains: PrefixChains | None = None,
 ) -> tuple[RequestSummary, int]:
     """The request's summary, and the size of the prompt text its tokens were estimated from:
     what calibration divides by the reported prompt tokens (0 when there is nothing to calibrate:
@@ -34,23 +36,30 @@ def summarize(
     With `exact` (KV events on), prefix blocks are SGLang's block hashes of the request's token
     ids, or none when its tokenizer cannot tell: text blocks would match nothing in the exact
     index, so such a request is placed on session affinity and load alone. Otherwise the prompt
-    size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py)."""
+    size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py).
+    With `chains`, a prompt that extends a recent one has only its new bytes hashed."""
     model = body.get("model")
+    key = session_key(headers, body, config.session_headers, config.session_fields)
     exact_blocks = exact(route, body) if exact is not None else None
     text_bytes = 0
     if exact_blocks is not None:
         prompt_tokens, blocks = exact_blocks
     else:
-        data = prompt_bytes(route, body)
+        data, boundaries = prompt_bytes_and_boundaries(route, body)
         if route == "/generate" and isinstance(body.get("input_ids"), list):
             prompt_tokens = len(data) // BYTES_PER_TOKEN  # token ids, 4 bytes each
         else:
             prompt_tokens = int(len(data) / bytes_per_token)
             text_bytes = len(data)
-        blocks = () if exact is not None else text_block_hashes(data, namespace(body), config.block_chars)
+        if exact is not None:
+            blocks = ()
+        elif chains is not None:
+            blocks = chains.block_hashes(data, namespace(body), config.block_chars, key, boundaries)
+        else:
+            blocks = text_block_hashes(data, namespace(body), config.block_chars)
     summary = RequestSummary(
         route=route,
-        session_key=session_key(headers, body, config.session_headers, config.session_fields),
+        session_key=key,
         prompt_tokens=prompt_tokens,
         model=model if isinstance(model, str) else None,
         prefix_blocks=blocks,

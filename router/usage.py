@@ -52,6 +52,26 @@ def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
     return True
 
 
+_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
+_JSON_SPACE = b" \t\r\n"
+
+
+def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> bytes | None:
+    """`ask_stream_usage` on the parsed `body`, and the request bytes to send when it asked
+    (None: send `raw` as it is). Without a `stream_options` the member is put in front of the
+    client's own bytes, which are not re-serialized: a 400 KB prompt costs one copy, not a dump."""
+    absent = "stream_options" not in body
+    if not ask_stream_usage(route, body):
+        return None
+    if absent:  # no such member on the wire either (a duplicate would have been parsed)
+        start = 0
+        while start < len(raw) and raw[start] in _JSON_SPACE:
+            start += 1
+        if raw[start:start + 1] == b"{" and len(body) > 1:  # a member follows: the comma is right
+            return b"".join((_ASK_USAGE, memoryview(raw)[start + 1:]))
+    return orjson.dumps(body)  # parsed, hence nested at most as deep as orjson writes
+
+
 def _count(value: Any) -> int | str:
     """A token count, or the reason it is not one."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -18,6 +18,7 @@ from kvrouter.loadtest.sim_server import build_app
 from kvrouter.router.usage import (
     UsageReport,
     ask_stream_usage,
+    body_asking_stream_usage,
     from_body,
     from_meta_info,
     from_usage,
@@ -265,3 +266,17 @@ async def test_a_fault_in_learning_never_fails_the_response(start_app, start_rou
     assert status == 200 and orjson.loads(got)["usage"]["prompt_tokens"] == 20
     status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
     assert status == 200 and got == b"".join(e for e in sent if b'"choices":[]' not in e)
+
+
+def test_usage_request_is_put_in_front_of_the_clients_own_bytes() -> None:
+    raw = b' \n{"model":"m","stream":true,"messages":[{"role":"user","content":"\\u00e9 x"}],"n":1.50}'
+    body = orjson.loads(raw)
+    asked = body_asking_stream_usage(CHAT, body, raw)
+    assert asked is not None and asked.endswith(raw[3:])  # the client's bytes, not re-serialized
+    assert orjson.loads(asked) == {**orjson.loads(raw), "stream_options": {"include_usage": True}}
+    options = b'{"stream":true,"stream_options":{"continuous_usage_stats":false}}'
+    asked = body_asking_stream_usage(CHAT, orjson.loads(options), options)
+    assert asked is not None and orjson.loads(asked)["stream_options"] == \
+        {"continuous_usage_stats": False, "include_usage": True}
+    for done in (b'{"stream":true,"stream_options":{"include_usage":true}}', b'{"stream":false}'):
+        assert body_asking_stream_usage(CHAT, orjson.loads(done), done) is None

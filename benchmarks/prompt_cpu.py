@@ -1,0 +1,166 @@
+"""Router CPU per request: the next turn of a ~400 KB conversation vs a 1 KB request, in one run.
+
+Starts one upstream (benchmarks/upstream.py, aiohttp: SSE answers, nothing else) and two
+`kvrouter serve` processes in front of it: one as configured by default, one with
+`routing.prefix_chain_cache_mb: 0` (every prompt hashed whole, as before suffix hashing). One
+client sends, one request at a time on a keep-alive connection, batches of
+
+  small     a 1 KB chat request (a new conversation each time);
+  append    the next turn of one of `--sessions` conversations that start at ~400 KB: the previous
+            prompt plus an assistant reply and a user message (~2 KB), no session key;
+  keyed     the same with an `x-session-id` header (other conversations);
+
+to each router, in rotating order so machine noise hits all alike, and reads each router
+process's CPU time (/proc utime + stime) around every batch. Streaming requests without
+`stream_options`, as coding agents send them (the router asks for the usage event).
+
+    python benchmarks/prompt_cpu.py [--json docs/benchmarks-prompt-cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from dataplane import kvrouter_cmd, machine, process  # noqa: E402
+from dp_scenarios import CHAT_PATH, Conversation, code_text  # noqa: E402
+from portable import portable_command  # noqa: E402
+from kvrouter.loadtest.process_group import free_port  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of the (single) process `pid`, from /proc."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+
+
+def body(messages: list[dict[str, str]]) -> bytes:
+    return orjson.dumps({"model": "bench", "messages": messages, "stream": True, "max_tokens": 4})
+
+
+class Client:
+    """Sequential requests on one keep-alive connection per router; returns latency."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def send(self, payload: bytes, headers: dict[str, str]) -> float:
+        start = time.perf_counter()
+        self.conn.request("POST", CHAT_PATH, body=payload,
+                          headers={"Content-Type": "application/json", **headers})
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+            raise RuntimeError(f"unexpected answer {resp.status}: {data[:200]!r}")
+        return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--start-kb", type=int, default=400, help="conversation size at its first turn")
+    parser.add_argument("--turn-kb", type=float, default=2.0, help="bytes each turn adds, KB")
+    parser.add_argument("--sessions", type=int, default=4, help="conversations per kind")
+    parser.add_argument("--batch", type=int, default=40, help="requests per batch")
+    parser.add_argument("--rounds", type=int, default=5, help="batches per (router, kind)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    kinds = ("small", "append", "keyed")
+    routers = ("kvrouter", "kvrouter-whole-hash")
+    # Each router gets its own conversations (a router's chain store only sees its own traffic).
+    convs = {(r, k): [Conversation(rng, args.start_kb * 1000, int(args.turn_kb * 1000))
+                      for _ in range(args.sessions)]
+             for r in routers for k in ("append", "keyed")}
+    counters = {(r, k): 0 for r in routers for k in kinds}
+
+    def request(router: str, kind: str) -> tuple[bytes, dict[str, str]]:
+        n = counters[router, kind]
+        counters[router, kind] += 1
+        if kind == "small":
+            return body([{"role": "user", "content": f"{n} " + code_text(rng, 1000)}]), {}
+        session = n % args.sessions
+        payload = body(convs[router, kind][session].next_turn())
+        return payload, ({"x-session-id": f"{router}-{session}"} if kind == "keyed" else {})
+
+    up_port = free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    result: dict[str, Any] = {"command": portable_command(sys.argv), "machine": machine(),
+                              "when": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": vars(args)}
+    cpu = {(r, k): [0.0, 0.0] for r in routers for k in kinds}  # user, system
+    latency: dict[tuple[str, str], list[float]] = {(r, k): [] for r in routers for k in kinds}
+    sizes: dict[str, list[int]] = {k: [] for k in kinds}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([sys.executable, str(HERE / "upstream.py"), str(up_port),
+                                     "--server", "aiohttp"], up_port, "upstream"))
+        whole = Path(tempfile.mkdtemp(prefix="prompt-cpu-")) / "router.yaml"
+        whole.write_text(json.dumps({"routing": {"prefix_chain_cache_mb": 0}}))
+        pids, clients = {}, {}
+        for name, extra in (("kvrouter", ()), ("kvrouter-whole-hash", ("--config", str(whole)))):
+            port = free_port()
+            pids[name] = stack.enter_context(process(kvrouter_cmd(upstream, port, *extra), port, name)).pid
+            clients[name] = Client(port)
+        for name in routers:  # warm: connections, first (whole-hash) turn of every conversation
+            for kind in kinds:
+                for _ in range(args.sessions):
+                    clients[name].send(*request(name, kind))
+        order = [(r, k) for r in routers for k in kinds]
+        for rnd in range(args.rounds):
+            for router, kind in order[rnd % len(order):] + order[:rnd % len(order)]:
+                batch = [request(router, kind) for _ in range(args.batch)]
+                sizes[kind].extend(len(p) for p, _ in batch)
+                user, system = cpu_times(pids[router])
+                for payload, headers in batch:
+                    latency[router, kind].append(clients[router].send(payload, headers))
+                user_after, system_after = cpu_times(pids[router])
+                cpu[router, kind][0] += user_after - user
+                cpu[router, kind][1] += system_after - system
+    n = args.rounds * args.batch
+    rows: dict[str, Any] = {}
+    for router in routers:
+        rows[router] = {kind: {"cpu_us_per_request": sum(cpu[router, kind]) / n * 1e6,
+                               "user_us_per_request": cpu[router, kind][0] / n * 1e6,
+                               "system_us_per_request": cpu[router, kind][1] / n * 1e6,
+                               "latency_p50_ms": statistics.median(latency[router, kind]) * 1e3,
+                               "requests": n} for kind in kinds}
+        small = rows[router]["small"]["cpu_us_per_request"]
+        for kind in ("append", "keyed"):
+            rows[router][kind]["ratio_to_small"] = (rows[router][kind]["cpu_us_per_request"] / small
+                                               if small else float("nan"))
+    result["request_bytes"] = {k: {"min": min(v), "max": max(v)} for k, v in sizes.items()}
+    result["routers"] = rows
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    for router in routers:
+        print(f"{router:20} " + "  ".join(
+            f"{k} {rows[router][k]['cpu_us_per_request']:.0f} us/req"
+            f" (user {rows[router][k]['user_us_per_request']:.0f}; p50 {rows[router][k]['latency_p50_ms']:.2f} ms)"
+            + (f" {rows[router][k]['ratio_to_small']:.2f}x small" if k != "small" else "")
+            for k in kinds))
+    print(f"request bytes: {result['request_bytes']}; load average start {result['machine']['loadavg_at_start']}"
+          f" end {result['machine']['loadavg_at_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Suffix-only prefix hashing (router/prefix_chain.py): always the full hash, only the new bytes'
+cost when a prompt extends a recent one."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouter.router.config import RoutingConfig
+from kvrouter.router.prefix import prompt_bytes_and_boundaries, text_block_hashes
+from kvrouter.router.prefix_chain import PrefixChains
+from kvrouter.router.summary import summarize
+
+CHAT = "/v1/chat/completions"
+BLOCK = 16
+
+
+def conversation(*contents: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
+
+
+def hashes_of(chains: PrefixChains, body: dict, session: str | None) -> tuple[int, ...]:
+    data, ends = prompt_bytes_and_boundaries(CHAT, body)
+    return chains.block_hashes(data, b"ns", BLOCK, session, ends)
+
+
+def full(body: dict) -> tuple[int, ...]:
+    return text_block_hashes(prompt_bytes_and_boundaries(CHAT, body)[0], b"ns", BLOCK)
+
+
+def test_appended_turn_hashes_only_its_new_bytes_with_and_without_a_session_key():
+    for session in ("s1", None):
+        chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+        turns = ["system " * 200]
+        for n in range(4):
+            turns.append(f"turn {n} " * 50)
+            assert hashes_of(chains, conversation(*turns), session) == full(conversation(*turns))
+        assert (chains.misses, chains.hits) == (1, 3)
+        assert len(chains) == 1  # each turn's chain supersedes the one it extends
+
+
+def test_same_length_edit_before_the_stored_end_is_never_taken_for_an_extension():
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    first = conversation("a" * 500, "b" * 500)
+    hashes_of(chains, first, "s")
+    edited = conversation("a" * 250 + "X" + "a" * 249, "b" * 500, "c" * 300)  # same ends, same tail
+    assert hashes_of(chains, edited, "s") == full(edited)
+    assert chains.hits == 0
+
+
+def test_chain_is_not_shared_across_namespaces_or_block_sizes():
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    data, ends = prompt_bytes_and_boundaries(CHAT, conversation("x" * 800))
+    longer, longer_ends = prompt_bytes_and_boundaries(CHAT, conversation("x" * 800, "y" * 100))
+    chains.block_hashes(data, b"model=a", BLOCK, "s", ends)
+    assert chains.block_hashes(longer, b"model=b", BLOCK, "s", longer_ends) == \
+        text_block_hashes(longer, b"model=b", BLOCK)
+    assert chains.block_hashes(longer, b"model=a", 32, "s", longer_ends) == \
+        text_block_hashes(longer, b"model=a", 32)
+    assert chains.hits == 0
+
+
+def test_stored_prompts_stay_within_the_byte_bound():
+    chains = PrefixChains(max_bytes=20_000, min_bytes=0)
+    for n in range(50):
+        hashes_of(chains, conversation(f"session {n} " * 100), None)
+        assert chains.stored_bytes <= 20_000
+    assert 0 < len(chains) < 50
+    assert len(chains._by_session) == 0
+
+
+def test_summarize_with_chains_equals_summarize_without():
+    config = RoutingConfig()
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    turns = ["tools and system " * 400]
+    for n in range(3):
+        turns.append(f"user turn {n} " * 30)
+        body = {**conversation(*turns), "tools": [{"type": "function", "function": {"name": "f"}}]}
+        with_chains, size = summarize(CHAT, body, {"x-session-id": "s"}, config, chains=chains)
+        assert with_chains == summarize(CHAT, body, {"x-session-id": "s"}, config)[0]
+        assert size == len(prompt_bytes_and_boundaries(CHAT, body)[0])
+    assert chains.hits == 2
+
+
+# A conversation is a list of messages; each step appends, truncates, or edits one of them.
+_text = st.text(alphabet="ab\x1d\x1eé", max_size=60)
+_step = st.one_of(
+    st.tuples(st.just("append"), _text),
+    st.tuples(st.just("truncate"), st.integers(0, 8)),
+    st.tuples(st.just("edit"), st.integers(0, 8), _text),
+    st.tuples(st.just("switch"), st.integers(0, 2)),  # another session continues
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_step, min_size=1, max_size=40), keyed=st.booleans(),
+       max_bytes=st.sampled_from([0, 300, 1 << 20]))
+def test_always_equals_the_full_hash(steps, keyed, max_bytes):
+    chains = PrefixChains(max_bytes=max_bytes, min_bytes=0)
+    sessions: list[list[str]] = [["base"], ["base"], ["other"]]
+    current = 0
+    for step in steps:
+        messages = sessions[current]
+        if step[0] == "append":
+            messages.append(step[1])
+        elif step[0] == "truncate":
+            del messages[min(step[1], len(messages)):]
+        elif step[0] == "edit" and messages:
+            messages[step[1] % len(messages)] = step[2]
+        elif step[0] == "switch":
+            current = step[1]
+        body = conversation(*sessions[current])
+        session = f"s{current}" if keyed else None
+        assert hashes_of(chains, body, session) == full(body)
+        assert chains.stored_bytes <= max(max_bytes, 0)
