@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
@@ -58,6 +59,12 @@ class RoutingEngine:
         table.on_home_change = self.sync_homed  # replica views carry their homed totals
         self.rng = rng
         self.fresh_since: dict[str, float] = {}
+        # Called with the replica each time a request's slot is released (admission control
+        # re-decides waiting requests then); None: nobody listens.
+        self.on_release: Callable[[str], None] | None = None
+        # Called with (predicted, observed) TTFT of a streamed request admission control
+        # predicted; None: nobody listens.
+        self.on_first_byte: Callable[[float, float], None] | None = None
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""
@@ -114,6 +121,19 @@ class RoutingEngine:
             decision, summary = self.decide(summary, session)
         if decision is None:
             return None
+        return self.commit(decision, summary, session, target=target, retry_of=retry_of)
+
+    def commit(
+        self,
+        decision: Decision,
+        summary: RequestSummary,
+        session: SessionView | None,
+        *,
+        target: str | None = None,
+        retry_of: Placement | None = None,
+    ) -> Placement:
+        """Reserve the slot of a decision `decide` just made (no await since): admission control
+        decides, weighs waiting against it, and only then commits."""
         if self.metrics is not None:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()

@@ -20,6 +20,8 @@ from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
+from .admission import Ticket
+from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .engine import RoutingEngine
@@ -94,6 +96,7 @@ class Relay:
         self._no_drop = drop_set()
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
+        self.admission: AdmissionGate | None = None  # set by the composition root when configured
         self.affinity = affinity
         self.metrics = metrics
         self.config = config
@@ -153,18 +156,29 @@ class Relay:
         *,
         prompt_bytes: int = 0,
         drop_usage: bool = False,
+        ticket: Ticket | None = None,
     ) -> web.StreamResponse:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
         a routing hint) bypasses the policy. The replica's reported usage goes to the placement
         (`prompt_bytes`: the prompt text's size, for calibration); `drop_usage`: the router
-        asked for the stream's usage event, so the client does not get it."""
+        asked for the stream's usage event, so the client does not get it. `ticket`: the
+        request goes through admission control first (it may wait, or get 429)."""
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
         try:
             async with self.engine.route(summary, self.affinity, target) as route:
-                return await self._attempts(request, body, route, request_id,
+                gate = self.admission
+                if ticket is not None and gate is not None and target is None:
+                    try:
+                        placement = await gate.place(route, ticket)
+                    except AdmissionRejected as err:
+                        return error_response(429, str(err), "rate_limit_error", {
+                            REQUEST_ID: request_id, "Retry-After": str(err.retry_after_s)})
+                else:
+                    placement = route.place()
+                return await self._attempts(request, body, route, placement, request_id,
                                             UsageAccount(request.path, prompt_bytes, drop_usage))
         except asyncio.CancelledError:
             if not self._was_cut(task):
@@ -180,12 +194,14 @@ class Relay:
         request: web.Request,
         body: bytes,
         route: RequestRoute,
+        placement: Placement | None,
         request_id: str,
         usage: UsageAccount,
     ) -> web.StreamResponse:
-        """Send to each placement in turn (router/placement.py) until a replica takes the
-        request; retries only before the first byte reaches the client. What each attempt
-        meant for the replica's health and the counters is the placement's to record."""
+        """Send to each placement in turn (router/placement.py), from the first one (`placement`,
+        its slot already reserved), until a replica takes the request; retries only before the
+        first byte reaches the client. What each attempt meant for the replica's health and the
+        counters is the placement's to record."""
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers, self._drop)
         if self.inject_headers:
@@ -194,7 +210,6 @@ class Relay:
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
-        placement = route.place()
         for attempt in range(max_attempts):
             if placement is None:
                 break
@@ -340,7 +355,9 @@ class Relay:
         before = last = b""
         try:
             chunk = await readany()
-            self.metrics.child(self.metrics.upstream_ttfb, url).observe(self.clock() - sent)
+            ttfb = self.clock() - sent
+            self.metrics.child(self.metrics.upstream_ttfb, url).observe(ttfb)
+            attempt.first_byte(ttfb)
             while chunk:
                 if not sse:
                     await write(chunk)
