@@ -140,7 +140,7 @@ class TtftCalibration:
     term (a fixed time per queued request) can be off by an order of magnitude. Predictions are
     scaled by it before they are held against an SLO."""
 
-    def __init__(self, weight: float = 0.1, low: float = 0.25, high: float = 100.0) -> None:
+    def __init__(self, weight: float = 0.1, low: float = 0.02, high: float = 100.0) -> None:
         self.weight, self.low, self.high = weight, low, high
         self.factor = 1.0
 
