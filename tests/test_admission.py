@@ -156,3 +156,19 @@ def test_pump_dispatches_in_order_keeps_waiters_and_counts_those_ahead() -> None
     assert seen == [("w0", 0), ("w1", 1), ("w2", 1)]  # max_scan bounds the work
     assert [(w.item, j.verdict) for w, j in out] == [("w1", Verdict.DISPATCH), ("w2", Verdict.REJECT)]
     assert [w.item for w in q] == ["w0", "w3"]
+
+
+def test_ttft_calibration_learns_observed_over_predicted_and_scales_predictions() -> None:
+    a = assessor(queue=True)
+    snap = Snapshot((ReplicaView("r0", num_running_reqs=1),))
+    req = RequestSummary("/v1/chat/completions", prompt_tokens=50_000)
+    before = a.predict(snap, req, Decision("r0", "affinity"), ahead=0, rate=1.0)
+    for _ in range(100):  # replicas answer 10x slower than the nominal cost model says
+        a.calibration.observe(before.raw_dispatch_s, 10 * before.raw_dispatch_s)
+    after = a.predict(snap, req, Decision("r0", "affinity"), ahead=0, rate=1.0)
+    assert after.dispatch_s == pytest.approx(10 * before.dispatch_s, rel=0.01)
+    assert after.raw_dispatch_s == pytest.approx(before.raw_dispatch_s)
+    assert after.wait_s == before.wait_s  # the queue's wait comes from observed completions
+    a.calibration.observe(0.01, 100.0)  # too small a prediction to learn from
+    a.calibration.observe(1.0, 1e9)  # clamped
+    assert a.calibration.factor <= 100.0
