@@ -18,7 +18,8 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.cost import CostParams
 from ..policies.steps import HighWater
 from .admission import (
-    Assessor, CompletionMeter, FairQueue, Judgement, Ticket, TicketBook, Verdict, Waiter, pump,
+    Assessor, CompletionMeter, FairQueue, Judgement, Ticket, TicketBook, Verdict, Waiter,
+    policy_marks, pump,
 )
 from .admission_config import AdmissionConfig
 from .engine import RoutingEngine
@@ -62,6 +63,7 @@ class AdmissionGate:
         self.clock = clock
         self.book = TicketBook(config)
         self.assessor = Assessor(config, cost, high_water)
+        self._marks_of = engine.policy  # a reload (SIGHUP) may bring a policy with other marks
         self.queue: FairQueue[_Pending] = FairQueue(config.max_queue)
         self.meter = CompletionMeter()
         self._wake_pending = False
@@ -157,6 +159,9 @@ class AdmissionGate:
              queue_full: bool = False) -> Judgement:
         """Ask the policy, assess, and on DISPATCH reserve the slot (no await in between)."""
         route, engine = pending.route, self.engine
+        if engine.policy is not self._marks_of:
+            self._marks_of = engine.policy
+            self.assessor.cost, self.assessor.high_water = policy_marks(engine.policy)
         decision, summary = engine.decide(route.summary, route.session)
         if decision is None:  # no replica at all: the relay answers 503
             return Judgement(Verdict.DISPATCH, 0.0, "no_replica")

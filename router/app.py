@@ -120,7 +120,7 @@ class Router:
                            drop_headers=tuple(drop), inject_headers=inject, worker=worker)
         if config.admission.active:  # off: not even a hook on the request path
             self.relay.admission = AdmissionGate(config.admission, self.engine, self.metrics, clock,
-                                                 *policy_marks(policy))
+                                                 *policy_marks(policy))  # kept up with reloads
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )

@@ -136,3 +136,18 @@ async def test_admission_off_by_default_leaves_routing_unchanged(start_app, star
             async with await task as r:
                 assert r.status == 200
     assert all(r["body"]["priority"] == "batch" for r in up.requests)  # forwarded untouched
+
+
+async def test_reloaded_policy_brings_its_own_high_water_marks(start_app, start_router) -> None:
+    from kvrouter.policies.registry import build_policy
+
+    up = FakeUpstream()
+    router, url = await start_router([await start_app(up.app())], policy=POLICY, signals=SIGNALS,
+                                     admission={"queue": True})
+    gate = router.relay.admission
+    assert gate is not None and gate.assessor.high_water.max_running == 1
+    router.engine.policy = build_policy("coding-agent", {"replica_max_running": 7})  # as a reload does
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/chat/completions", json=chat("x")) as r:
+            assert r.status == 200
+    assert gate.assessor.high_water.max_running == 7
