@@ -151,3 +151,27 @@ async def test_reloaded_policy_brings_its_own_high_water_marks(start_app, start_
         async with client.post(url + "/v1/chat/completions", json=chat("x")) as r:
             assert r.status == 200
     assert gate.assessor.high_water.max_running == 7
+
+
+async def test_openai_client_sees_an_slo_429_as_a_rate_limit_error(start_app, start_router) -> None:
+    import openai
+
+    hold = asyncio.Event()
+    up = FakeUpstream(hold_before_headers=hold)
+    _, url = await start_router([await start_app(up.app())], policy=POLICY, signals=SIGNALS,
+                                admission={"ttft_slo_s": 60})
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="tenant-key", max_retries=0)
+    try:
+        first = asyncio.create_task(client.chat.completions.create(**chat("A")))  # type: ignore[call-overload]
+        await until(lambda: len(up.requests) == 1)
+        try:
+            await client.chat.completions.create(**chat("B"), extra_headers={"x-ttft-slo-ms": "50"})  # type: ignore[call-overload]
+        except openai.RateLimitError as err:
+            assert err.status_code == 429 and err.response.headers["Retry-After"].isdigit()
+            assert "SLO" in err.message
+        else:
+            raise AssertionError("expected a 429")
+        hold.set()
+        assert (await first).choices[0].message.content == "hello"
+    finally:
+        await client.close()
