@@ -110,6 +110,8 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--json", metavar="OUT", help="write the results contract (schema 1) here")
     p.add_argument("--contender", default="target", help="name of the target in the results")
     p.add_argument("--model", default="default", help="model field of every request")
+    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="header sent with every request (repeatable), e.g. an API key or x-priority")
     _add_load_shape(p)
     p.add_argument("--trace", metavar="FILE", help="replay a trace (Mooncake .jsonl, Claude Code .json, a folder, a router decision log, or a bundled sample name) instead of --users")
     p.set_defaults(func=cmd_loadtest)

@@ -69,6 +69,18 @@ class _Flight:
 
 
 @dataclass(slots=True)
+class _Pending:
+    """A request between its arrival at the router and its dispatch."""
+
+    idx: int
+    req: TurnRequest
+    summary: RequestSummary
+    view: SessionView
+    keys: list[int]
+    record: RequestRecord
+
+
+@dataclass(slots=True)
 class _Turn:
     batch: list[TurnRequest]
     replies: list[int | None]
@@ -239,6 +251,12 @@ class ClusterSimulator(SamplingMixin):
             self._push(start, _REQUEST, (idx, req))
 
     def _dispatch(self, idx: int, req: TurnRequest) -> None:
+        pending = self._prepare(idx, req)
+        self._start(pending, self._place(pending.summary, pending.view))
+
+    def _prepare(self, idx: int, req: TurnRequest) -> _Pending:
+        """The request as the router sees it (its summary), its client-side record, and its
+        session acquired in the affinity store (ended by `_start` or `_finish`)."""
         session = self._sessions[idx]
         reply = session.reply_segment(req, req.expected_output_tokens)
         keys = self.keys.keys(session.session_id, req.segments + (reply,))
@@ -252,10 +270,14 @@ class ClusterSimulator(SamplingMixin):
         record = RequestRecord(session.session_id, ok=False, start_s=self.now, prompt_tokens=prompt,
                                turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
         view = self.affinity.acquire(session.session_id)
-        placement = self._place(summary, view)
+        return _Pending(idx, req, summary, view, keys, record)
+
+    def _start(self, pending: _Pending, placement: Placement | None, error: str = "no replica") -> None:
+        """Send the request where `placement` reserved it a slot (None: answer it with `error`)."""
+        idx, req, record, keys = pending.idx, pending.req, pending.record, pending.keys
         if placement is None:
-            self.affinity.end(session.session_id)
-            record.error = "no replica"
+            self.affinity.end(req.session_id)
+            record.error = error
             self.records.append(record)
             self._reply(idx, req, None)
             return
@@ -263,7 +285,9 @@ class ClusterSimulator(SamplingMixin):
         url = placement.url
         rid = f"r{next(self._rid)}"
         record.replica = url
-        self._flights[rid] = _Flight(req, idx, url, placement, self.now, record)
+        prompt = req.prompt_tokens
+        # Measured from the client's send, so time waiting in the router counts.
+        self._flights[rid] = _Flight(req, idx, url, placement, record.start_s, record)
         output = max(1, req.expected_output_tokens)
         # The client's max_tokens, as the live load driver sends it: SGLang's admission estimate.
         try:
@@ -277,10 +301,13 @@ class ClusterSimulator(SamplingMixin):
         self._dirty.add(url)
         self._wake(url)
 
-    def _place(self, summary: RequestSummary, view: SessionView) -> Placement | None:
+    def _place(self, summary: RequestSummary, view: SessionView,
+               placement: Placement | None = None) -> Placement | None:
         """The relay's loop (router/relay.py): a crashed replica refuses the connection, which
-        counts as a failure, and the request is placed again elsewhere, up to `max_attempts`."""
-        placement = self.engine.place(summary, view)
+        counts as a failure, and the request is placed again elsewhere, up to `max_attempts`.
+        `placement`: the first one, already made (admission control); else the engine's."""
+        if placement is None:
+            placement = self.engine.place(summary, view)
         for attempt in range(self.config.max_attempts):
             if placement is None:
                 return None

@@ -128,6 +128,13 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         if why:
             _err(f"loadtest: {why}")
             return 2
+    headers: dict[str, str] = {}
+    for item in args.header:
+        name, sep, value = item.partition(":")
+        if not sep or not name.strip():
+            _err(f"loadtest: --header {item!r}: want 'NAME: VALUE'")
+            return 2
+        headers[name.strip()] = value.strip()
     from .driver import run_load
 
     records: list[RequestRecord] = []
@@ -139,7 +146,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                 replica_metrics_urls=args.replica_metrics or (), arrival_rate=args.arrival_rate,
                 contender=args.contender, model=args.model, drain_timeout_s=args.drain_timeout,
                 records_out=records, ramp_s=args.ramp, warm_start=args.warm_start, warmup_s=args.warmup,
-                arrivals=arrivals,
+                arrivals=arrivals, headers=headers,
             )
         )
     if args.trace is not None:

@@ -265,6 +265,7 @@ async def run_load(
     warm_start: bool = False,
     warmup_s: float = 0.0,
     arrivals: Sequence[tuple[float, Any]] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Drive ``target_url`` for ``duration_s`` wall seconds and return the results contract.
 
@@ -282,6 +283,7 @@ async def run_load(
     taken before it out of the results (``records_out`` and ``load_samples_out`` still get them).
     ``arrivals`` (trace replay, e.g. :func:`kvrouter.loadtest.traces.trace_sessions`) replaces both
     ``users`` and ``arrival_rate``: each ``(start model s, session)`` starts at its time.
+    ``headers`` go with every request (an API key, a priority class, an SLO).
     """
     if arrivals is not None:
         if users is not None or arrival_rate is not None:
@@ -306,7 +308,7 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     samples: list[list[float]] = []
     sample_times: list[float] = []
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
         run = _Run(http, url, config, seed, time_scale, model, extra_body)
         run.deadline = run.start + duration_s
         stop = asyncio.Event()

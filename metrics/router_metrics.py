@@ -203,6 +203,36 @@ class RouterMetrics:
             registry=r,
         )
 
+        # Admission control (router/admission_gate.py): the router-side queue and SLO 429s.
+        self.admission_queue_depth = Gauge(
+            "kvrouter_admission_queue_depth",
+            "Requests waiting in the router's admission queue, by priority class.",
+            ["priority"],
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "kvrouter_admission_wait_seconds",
+            "Time requests spent in the admission queue, by priority class and how they left it "
+            "(dispatched, rejected, cancelled: the client went away).",
+            ["priority", "outcome"],
+            buckets=TTFB_BUCKETS,
+            registry=r,
+        )
+        self.admission_decisions = Counter(
+            "kvrouter_admission_decisions_total",
+            "Admission decisions when a request arrives or leaves the queue: dispatch, wait or "
+            "reject, and why (free, warm_wait, cold_beats_wait, over_marks, max_wait, queue_full, "
+            "behind_queue, slo, no_replica).",
+            ["action", "reason"],
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "kvrouter_admission_rejections_total",
+            "Requests answered 429 because their predicted TTFT exceeded their SLO, by priority class.",
+            ["priority", "reason"],
+            registry=r,
+        )
+
         self.discovery_replicas = Gauge(
             "kvrouter_discovery_replicas",
             "Replicas the discovery source currently lists (file, dns, kubernetes).",

@@ -22,6 +22,8 @@ from ..metrics.router_metrics import RouterMetrics
 from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import Policy
 from ..policies.registry import build_policy
+from .admission import policy_marks
+from .admission_gate import AdmissionGate
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import ConfigError, RouterConfig
 from .decision_log import DecisionLog, worker_path
@@ -119,6 +121,9 @@ class Router:
         self.relay = Relay(self.engine, self.affinity, self.metrics, config.upstream, clock,
                            replica_header=config.server.replica_header,
                            drop_headers=tuple(drop), inject_headers=inject, worker=worker)
+        if config.admission.active:  # off: not even a hook on the request path
+            self.relay.admission = AdmissionGate(config.admission, self.engine, self.metrics, clock,
+                                                 *policy_marks(policy))  # kept up with reloads
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
@@ -197,6 +202,8 @@ class Router:
             self.metrics.polled_queued.labels(url).set(signals.num_queue_reqs)
         if signals.token_usage is not None:
             self.metrics.polled_token_usage.labels(url).set(signals.token_usage)
+        if self.relay.admission is not None:  # a slot may have freed: re-decide waiting requests
+            self.relay.admission.wake()
 
     # -- application --------------------------------------------------------------------------
     def build_app(self) -> web.Application:

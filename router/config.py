@@ -18,6 +18,7 @@ from pydantic import (
 from yarl import URL
 
 from ..policies.registry import build_policy, policy_names
+from .admission_config import AdmissionConfig
 from .discovery_config import DiscoveryConfig
 from .tokenizers import load_tokenizer
 
@@ -376,6 +377,7 @@ class RouterConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    admission: AdmissionConfig = AdmissionConfig()
 
 
 def _one_line(err: ValidationError) -> str:

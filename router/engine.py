@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
@@ -66,6 +67,12 @@ class RoutingEngine:
         self.explain = False
         self.shadows: tuple[tuple[str, Policy], ...] = ()  # (name as configured, policy)
         self._shadow_rng = random.Random(0)
+        # Called with the replica each time a request's slot is released (admission control
+        # re-decides waiting requests then); None: nobody listens.
+        self.on_release: Callable[[str], None] | None = None
+        # Called with (predicted, observed) TTFT of a streamed request admission control
+        # predicted; None: nobody listens.
+        self.on_first_byte: Callable[[float, float], None] | None = None
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""
@@ -97,10 +104,11 @@ class RoutingEngine:
             matched = self.index.match(summary.prefix_blocks, self.match_limit)
             on_host = self.index.match_host(summary.prefix_blocks, self.match_limit)
             summary = dataclasses.replace(summary, cached_tokens=matched, host_cached_tokens=on_host)
+        return self._snapshot(session), summary
+
+    def _snapshot(self, session: SessionView | None) -> Snapshot:
         snapshot = self.registry.snapshot()
-        if session is not None:
-            snapshot = snapshot.with_session(session)
-        return snapshot, summary
+        return snapshot.with_session(session) if session is not None else snapshot
 
     def decide(
         self, summary: RequestSummary, session: SessionView | None
@@ -150,14 +158,27 @@ class RoutingEngine:
             if not self.registry.healthy(target):  # checked by the handler, but awaits came since
                 return None
             decision: Decision | None = Decision(target, "target_hint")
-            notes = None
         else:
-            snapshot, summary = self.prepare(summary, session)
-            decision = self.policy.decide(snapshot, summary, self.rng)
-            notes = (self.notes(snapshot, summary, decision)
-                     if decision is not None and (self.explain or self.shadows) else None)
+            decision, summary = self.decide(summary, session)
         if decision is None:
             return None
+        return self.commit(decision, summary, session, target=target, retry_of=retry_of)
+
+    def commit(
+        self,
+        decision: Decision,
+        summary: RequestSummary,
+        session: SessionView | None,
+        *,
+        target: str | None = None,
+        retry_of: Placement | None = None,
+    ) -> Placement:
+        """Reserve the slot of a decision `decide` just made (no await since): admission control
+        decides, weighs waiting against it, and only then commits. The registry has not changed
+        since the decision, so its notes (decision log, tracing, shadows) see the same snapshot."""
+        notes = None
+        if target is None and (self.explain or self.shadows):
+            notes = self.notes(self._snapshot(session), summary, decision)
         if self.metrics is not None:
             m = self.metrics
             m.child(m.decisions, self.policy.name, decision.reason).inc()

@@ -116,6 +116,14 @@ class Handlers:
                 if not self.registry.healthy(target):
                     return error_response(503, "target worker is not available", "service_unavailable",
                                           {**rid_header, "Retry-After": "1"})
+        ticket = None
+        gate = self.relay.admission
+        if gate is not None and gate.active and target is None:
+            ticket = gate.ticket(request.headers, parsed)
+            field = gate.config.priority_field
+            if field is not None and isinstance(parsed.get(field), str):
+                parsed.pop(field)  # a class name is the router's; SGLang's own priority is an int
+                body = orjson.dumps(parsed)
         asked = body_asking_stream_usage(route, parsed, body) \
             if self.config.learning.inject_stream_usage else None
         drop_usage = asked is not None
@@ -123,7 +131,7 @@ class Handlers:
             body = asked
         summary, text_bytes = await self._summarize(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target,
-                                        prompt_bytes=text_bytes, drop_usage=drop_usage)
+                                        prompt_bytes=text_bytes, drop_usage=drop_usage, ticket=ticket)
 
     async def summarize_request(
         self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]

@@ -94,7 +94,7 @@ class Placement:
     usage reported, why it broke off) is kept for the decision log and tracing."""
 
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
-                 "ttfb_s", "usage", "error",
+                 "ttfb_s", "usage", "error", "predicted_ttft_s",
                  "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration")
 
     def __init__(
@@ -129,6 +129,9 @@ class Placement:
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
+        # The cost model's TTFT for this attempt, when admission control predicted one: compared
+        # with the first byte's time (`first_byte`) to calibrate its predictions.
+        self.predicted_ttft_s: float | None = None
         self._reserve(self.url)
 
     # -- in-flight slot ----------------------------------------------------------------------------
@@ -150,6 +153,8 @@ class Placement:
             m.forget_children(url)  # the series it recreated since
         # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
+        if self.engine.on_release is not None:
+            self.engine.on_release(url)
 
     @property
     def held(self) -> bool:
@@ -250,6 +255,13 @@ class Placement:
             m.child(m.upstream_errors, self.url, kind).inc()
             if retried:
                 m.child(m.retries, kind).inc()
+
+    def first_byte(self, seconds: float) -> None:
+        """The first body byte of a streamed answer came `seconds` after the request was sent."""
+        self.ttfb_s = seconds
+        hook = self.engine.on_first_byte
+        if hook is not None and self.predicted_ttft_s is not None:
+            hook(self.predicted_ttft_s, seconds)
 
     def accepted(self) -> None:
         """The replica is serving the request (a 2xx answer): it will cache the prompt."""

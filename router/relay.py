@@ -20,6 +20,8 @@ from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
+from .admission import Ticket
+from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
 from .decision_log import DecisionLog, decision_line, request_fields
@@ -96,6 +98,7 @@ class Relay:
         self._no_drop = drop_set()
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
+        self.admission: AdmissionGate | None = None  # set by the composition root when configured
         self.affinity = affinity
         self.metrics = metrics
         self.config = config
@@ -157,12 +160,14 @@ class Relay:
         *,
         prompt_bytes: int = 0,
         drop_usage: bool = False,
+        ticket: Ticket | None = None,
     ) -> web.StreamResponse:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
         a routing hint) bypasses the policy. The replica's reported usage goes to the placement
         (`prompt_bytes`: the prompt text's size, for calibration); `drop_usage`: the router
-        asked for the stream's usage event, so the client does not get it."""
+        asked for the stream's usage event, so the client does not get it. `ticket`: the
+        request goes through admission control first (it may wait, or get 429)."""
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
@@ -174,8 +179,20 @@ class Relay:
                  if self.tracing is not None else None)
         try:
             async with self.engine.route(summary, self.affinity, target) as route:
-                response = await self._attempts(request, body, route, request_id,
-                                                UsageAccount(request.path, prompt_bytes, drop_usage), trace)
+                decide_ns = time.time_ns() if trace is not None else 0  # when the decision began
+                gate = self.admission
+                if ticket is not None and gate is not None and target is None:
+                    try:
+                        placement = await gate.place(route, ticket)
+                    except AdmissionRejected as err:
+                        status = 429
+                        return error_response(429, str(err), "rate_limit_error", {
+                            REQUEST_ID: request_id, "Retry-After": str(err.retry_after_s)})
+                else:
+                    placement = route.place()
+                response = await self._attempts(
+                    request, body, route, placement, request_id,
+                    UsageAccount(request.path, prompt_bytes, drop_usage), trace, decide_ns)
                 status = response.status
                 return response
         except asyncio.CancelledError:
@@ -208,13 +225,16 @@ class Relay:
         request: web.Request,
         body: bytes,
         route: RequestRoute,
+        placement: Placement | None,
         request_id: str,
         usage: UsageAccount,
         trace: RequestTrace | None = None,
+        decide_ns: int = 0,
     ) -> web.StreamResponse:
-        """Send to each placement in turn (router/placement.py) until a replica takes the
-        request; retries only before the first byte reaches the client. What each attempt
-        meant for the replica's health and the counters is the placement's to record."""
+        """Send to each placement in turn (router/placement.py), from the first one (`placement`,
+        its slot already reserved; `decide_ns`: when its decision began, for tracing), until a replica takes the request; retries only before the
+        first byte reaches the client. What each attempt meant for the replica's health and the
+        counters is the placement's to record."""
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers, self._drop)
         if self.inject_headers:
@@ -223,8 +243,6 @@ class Relay:
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
-        decide_ns = time.time_ns() if trace is not None else 0  # when the decision began
-        placement = route.place()
         for attempt in range(max_attempts):
             if placement is None:
                 break
@@ -320,6 +338,11 @@ class Relay:
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
+    def _first_byte(self, attempt: Placement, url: str, sent: float) -> None:
+        ttfb = self.clock() - sent
+        self.metrics.child(self.metrics.upstream_ttfb, url).observe(ttfb)
+        attempt.first_byte(ttfb)
+
     @staticmethod
     def _timeout_response(url: str, err: UpstreamTimeout, request_id: str) -> web.Response:
         """504 for a replica that timed out before the client got a byte (never retried)."""
@@ -390,8 +413,7 @@ class Relay:
         try:
             if first is None:
                 chunk = await readany()
-                attempt.ttfb_s = self.clock() - sent
-                self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
+                self._first_byte(attempt, url, sent)
             else:
                 chunk = first
             while chunk:

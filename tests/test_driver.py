@@ -288,3 +288,21 @@ def test_summarize_requests_without_data() -> None:
     assert math.isclose(load_imbalance([[5]])[0], 1.0)
     with pytest.raises(ValueError):
         summarize_requests([], replicas=0, duration_model_s=1.0)
+
+
+async def test_headers_go_with_every_request(serve: Any) -> None:
+    fake = FakeOpenAI()
+    url = await serve(fake)
+    await run_load(url, "tiny", users=2, duration_s=0.5, seed=5, progress=lambda line: None,
+                   headers={"Authorization": "Bearer tenant-a", "x-priority": "batch"})
+    assert fake.received
+    assert all(r["headers"]["authorization"] == "Bearer tenant-a" and r["headers"]["x-priority"] == "batch"
+               for r in fake.received)
+
+
+def test_loadtest_refuses_a_malformed_header(capsys: Any) -> None:
+    from kvrouter.cli import main
+
+    assert main(["loadtest", "--target", "http://127.0.0.1:9", "--users", "1", "--duration", "1",
+                 "--header", "no-colon-here"]) == 2
+    assert "want 'NAME: VALUE'" in capsys.readouterr().err
