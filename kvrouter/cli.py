@@ -87,6 +87,14 @@ def _add_sim_replica(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="serve /metrics (default on)")
     p.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
     p.add_argument("--kv-events-config", help='JSON, e.g. \'{"publisher":"zmq","topic":"kv-events","endpoint":"tcp://*:5557"}\'')
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="prefill/decode disaggregation role (SGLang's flag; null = colocated)")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="prefill side: port of its bootstrap server (SGLang's default 8998)")
+    p.add_argument("--disaggregation-bootstrap-timeout", type=float, default=300.0,
+                   help="decode side: wall seconds to wait for the prefill half of a request")
+    p.add_argument("--disaggregation-transfer-gbps", type=float, default=50.0,
+                   help="KV transfer bandwidth prefill -> decode in GB/s (model time)")
     p.set_defaults(func=cmd_sim_replica)
 
 

@@ -31,7 +31,9 @@ FLUSH_OK = (
 GIB = 1 << 30  # SGLang's memory figures are in GiB (its GB constant)
 
 
-def loads_entry(snap: PublishedLoads, p: Profile, include: set[str] | None = None) -> dict[str, Any]:
+def loads_entry(
+    snap: PublishedLoads, p: Profile, include: set[str] | None = None, disagg_mode: str = "null"
+) -> dict[str, Any]:
     """LoadSnapshot.to_dict: core keys in SGLang's order, no timestamp; sections that are None
     (no speculative decoding yet, no LoRA) are left out."""
     entry: dict[str, Any] = {
@@ -64,7 +66,7 @@ def loads_entry(snap: PublishedLoads, p: Profile, include: set[str] | None = Non
         }),
         ("lora", "lora", None),
         ("disaggregation", "disagg", {
-            "mode": "null",
+            "mode": disagg_mode,
             "prefill_bootstrap_queue_reqs": 0,
             "prefill_inflight_queue_reqs": 0,
             "decode_prealloc_queue_reqs": 0,
@@ -131,6 +133,8 @@ class AdminHandlers:
             "weight_version": "default",
             "decode_log_interval": p.decode_log_interval,
             "load_snapshot_publish_interval": p.load_snapshot_publish_interval,
+            "disaggregation_mode": sim.disagg.mode,
+            "disaggregation_bootstrap_port": sim.disagg.bootstrap_port,
             "kv_events_config": (
                 orjson.dumps(sim.kv_events_config).decode() if sim.kv_events_config else None
             ),
@@ -198,7 +202,9 @@ class AdminHandlers:
         dp = request.query.get("dp_rank")
         if dp not in (None, "", "0"):
             return json_response({"detail": f"dp_rank {dp} out of range"}, 400)
-        entry = loads_entry(self.sim.published_loads(), self.sim.profile, sections)
+        entry = loads_entry(
+            self.sim.published_loads(), self.sim.profile, sections, self.sim.disagg.mode
+        )
         if request.query.get("format") == "prometheus":
             return web.Response(text=loads_prometheus([entry]), content_type="text/plain")
         p = self.sim.profile

@@ -44,6 +44,7 @@ from .profiles import Profile, load_profile
 from .radix_cache import page_keys
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .replica_signals import PublishedLoads, PublishedMetrics
+from .sim_disagg import Disaggregation, RoomBoard, RoomResult
 from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
 from .sim_metrics import Histogram, SimCollector
 
@@ -54,7 +55,11 @@ STREAM_INTERVAL_S = 0.02
 
 
 class SimError(Exception):
-    """A request SGLang would reject with 400."""
+    """A request SGLang would reject (400 unless told otherwise)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(eq=False)
@@ -72,6 +77,8 @@ class SimReq:
     finished: Finished | None = None
     emitted: int = 0  # output tokens handed to the client so far
     aborted: str | None = None  # abort message
+    room: int | None = None  # PD prefill side: the bootstrap room this request serves
+    transferred_cached: int | None = None  # PD decode side: the prefill side's cached tokens
 
     @property
     def over(self) -> bool:
@@ -79,6 +86,8 @@ class SimReq:
 
     @property
     def cached_tokens(self) -> int:
+        if self.transferred_cached is not None:
+            return self.transferred_cached
         if self.finished is not None:
             return self.finished.cached_tokens
         return self.first.cached_tokens if self.first is not None else 0
@@ -105,6 +114,7 @@ class SimReplica:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         if isinstance(profile, str):
             profile = load_profile(profile)
@@ -141,8 +151,12 @@ class SimReplica:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.failed: str | None = None  # set when the driver died on a model error
-        self.scheduler_label_values = (self.served_model_name, "unified", "0", "0", "0")
-        self.tokenizer_label_values = (self.served_model_name, "unified")
+        self.disagg = disaggregation or Disaggregation()
+        # the prefill side's rooms, answered by its bootstrap server (sim_disagg)
+        self.rooms: RoomBoard | None = RoomBoard() if self.disagg.mode == "prefill" else None
+        engine_type = self.disagg.mode if self.disagg.enabled else "unified"
+        self.scheduler_label_values = (self.served_model_name, engine_type, "0", "0", "0")
+        self.tokenizer_label_values = (self.served_model_name, engine_type)
         # Tokenizer metrics, per is_streaming value where SGLang labels them so; a label set
         # appears once a request has touched it, as with prometheus_client.
         self.histograms: dict[str, Histogram] = {
@@ -179,6 +193,7 @@ class SimReplica:
             self._task = None
         for st in list(self._reqs.values()):
             st.aborted = st.aborted or "server shutting down"
+            self._settle_room(st)
             st.changed.set()
         if self.publisher is not None:
             await self.publisher.close()
@@ -212,6 +227,7 @@ class SimReplica:
                 self.failed = f"simulated replica failed: {exc!r}"
                 for st in list(self._reqs.values()):
                     st.aborted = self.failed
+                    self._settle_room(st)
                     st.changed.set()
                 self._reqs.clear()
                 raise
@@ -258,7 +274,17 @@ class SimReplica:
             n = ev.completion_tokens - 1
             self.histograms[sg.INTER_TOKEN_LATENCY_SECONDS].observe(interval / n, n, interval)
         st.finished = ev
+        self._settle_room(st)
         st.changed.set()
+
+    def _settle_room(self, st: SimReq) -> None:
+        """PD prefill side: tell the decode half (via the bootstrap server) how its room ended."""
+        if self.rooms is None or st.room is None:
+            return
+        if st.finished is not None:
+            self.rooms.settle(st.room, RoomResult(st.prompt_len, st.finished.cached_tokens))
+        else:
+            self.rooms.settle(st.room, RoomResult(st.prompt_len, 0, st.aborted or "aborted"))
 
     # -- request API ------------------------------------------------------------------------------
     def new_rid(self) -> str:
@@ -291,8 +317,14 @@ class SimReplica:
         rid: str | None = None,
         namespace: str | None = None,
         stream: bool = False,
+        room: int | None = None,
+        transferred_cached: int | None = None,
     ) -> SimReq:
-        """Tokenize, choose the output, and hand the request to the model (raises SimError)."""
+        """Tokenize, choose the output, and hand the request to the model (raises SimError).
+
+        PD: on a prefill server the request generates one token and settles ``room``; a
+        request given ``transferred_cached`` (decode server) has its KV already and computes no
+        prefill."""
         if self.failed is not None:
             raise SimError(self.failed)
         if input_ids is not None:
@@ -325,6 +357,8 @@ class SimReplica:
         if rid in self._reqs:
             raise SimError(f"Duplicate request ID: {rid}")
         out_len, kind = self.choose_output_len(rid, cap, ignore_eos)
+        if self.disagg.mode == "prefill":
+            out_len, kind = 1, "length"  # the prefill forward's one token; decode runs elsewhere
         out_text = tokenizer.synthetic_text(out_len, self._seed_for(rid) & 0x7FFFFFFF)
         if input_ids is not None:
             all_tokens = list(input_ids) + tokenizer.encode(out_text)
@@ -337,11 +371,18 @@ class SimReplica:
         now = self.now()
         try:
             self.model.submit(
-                SimRequest(rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap), now
+                SimRequest(
+                    rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap,
+                    kv_transferred=transferred_cached is not None,
+                ),
+                now,
             )
         except ValueError as exc:
             raise SimError(str(exc)) from exc
-        st = SimReq(rid, prompt_len, out_len, out_text, kind, now, ns, stream)
+        st = SimReq(
+            rid, prompt_len, out_len, out_text, kind, now, ns, stream,
+            room=room, transferred_cached=transferred_cached,
+        )
         self._reqs[rid] = st
         self._publish()
         self.wake()
@@ -353,6 +394,7 @@ class SimReplica:
             return False
         self.model.abort(rid, self.now())
         st.aborted = message
+        self._settle_room(st)
         st.changed.set()
         self._publish()
         self.wake()
