@@ -15,7 +15,8 @@ Command = Callable[[argparse.Namespace], int]
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     base = load_config(args.config) if args.config else RouterConfig()
     config = with_overrides(
-        base, host=args.host, port=args.port, replicas=args.replica, policy=args.policy
+        base, host=args.host, port=args.port, replicas=args.replica, policy=args.policy,
+        prefill=args.prefill, decode=args.decode,
     )
     if not config.replicas and not config.discovery.enabled:
         raise ConfigError(
@@ -51,6 +52,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", help="bind address")
     p.add_argument("--port", type=int, help="data port")
     p.add_argument("--policy", help="routing policy name")
+    p.add_argument("--prefill", action="append", metavar="URL[=BOOTSTRAP_PORT]",
+                   help="prefill server of a PD-disaggregated fleet (repeatable; port default 8998)")
+    p.add_argument("--decode", action="append", metavar="URL",
+                   help="decode server of a PD-disaggregated fleet (repeatable)")
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes sharing the port (SO_REUSEPORT); > 1 needs affinity.store: redis")
     p.set_defaults(func=cmd_serve)

@@ -24,6 +24,7 @@ from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import RouterConfig
+from .decode_pool import DecodePool
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
@@ -35,6 +36,7 @@ from .kv_index_shadow import ShadowKVIndex
 from .learning import UsageLearner
 from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
+from .pd_relay import PDForwarder
 from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
@@ -119,10 +121,22 @@ class Router:
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
         )
+        # PD disaggregation: the replica pool above is the prefill servers; the decode servers
+        # have their own registry and poller, and the relay sends each request to a pair.
+        self.decode_pool: DecodePool | None = None
+        self.decode_poller: SignalPoller | None = None
+        pd = config.disaggregation
+        if pd.enabled:
+            self.decode_pool = DecodePool(pd.decode, self.metrics, random.Random(),
+                                          config.signals.failure_threshold)
+            self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock)
+            self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd)
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
-                                 exact_blocks=self._exact_blocks, tokenize_pool=self.tokenize_pool)
+                                 exact_blocks=self._exact_blocks, tokenize_pool=self.tokenize_pool,
+                                 pd_pollers=(self.poller, self.decode_poller)
+                                 if self.decode_poller is not None else None)
 
     @property
     def config(self) -> RouterConfig:
@@ -198,6 +212,9 @@ class Router:
             spawn("signal-poller", lambda: self.poller.run(session), metrics=self.metrics),
             spawn("housekeeping", self.housekeeping.run, metrics=self.metrics),
         ]
+        decode_poller = self.decode_poller
+        if decode_poller is not None:
+            tasks.append(spawn("decode-poller", lambda: decode_poller.run(session), metrics=self.metrics))
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
         yield

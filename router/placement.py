@@ -262,6 +262,16 @@ class Placement:
         learner.observe(url, self.summary.model, usage, prompt_bytes=prompt_bytes,
                         predicted_cached=predicted, prefix_blocks=self.summary.prefix_blocks)
 
+    def again(self) -> Placement | None:
+        """Release this attempt and place the request on the same replica once more (PD: the
+        other half of its pair failed; this replica did its part and holds the prompt's KV).
+        None if the replica is no longer healthy."""
+        self.done()
+        if not self.engine.registry.healthy(self.url):
+            return None
+        return Placement(self.engine, self.summary, self.session, self.decision,
+                         target=self.target, retry_of=self)
+
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so
         far; None if nothing is left (or the request was pinned to a hinted target)."""

@@ -39,6 +39,11 @@ class SignalPoller:
         self.clock = clock
         self.on_signals = on_signals or (lambda url, signals: None)
         self.last_update: dict[str, float] = {}
+        self.reached: set[str] = set()  # replicas that answered a poll at least once
+
+    def up_count(self) -> int:
+        """Healthy replicas that have answered a poll (not merely assumed healthy at start)."""
+        return sum(1 for v in self.registry.snapshot().replicas if v.healthy and v.id in self.reached)
 
     async def _scrape(self, session: aiohttp.ClientSession, url: str) -> ReplicaSignals | None:
         """Signals, or None when the replica is alive but exposes none. Raises on failure."""
@@ -67,6 +72,7 @@ class SignalPoller:
             if self.registry.record_failure(url):
                 log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
         else:
+            self.reached.add(url)
             if self.registry.record_success(url):
                 log.info("replica %s is healthy again", url)
             if signals is not None:

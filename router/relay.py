@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +27,9 @@ from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
+
+if TYPE_CHECKING:
+    from .pd_relay import PDForwarder
 from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
 from .upstream_http import (
     UpstreamBodyError,
@@ -94,6 +98,7 @@ class Relay:
         self._no_drop = drop_set()
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
+        self.pd: PDForwarder | None = None  # set on a prefill/decode-disaggregated fleet
         self.affinity = affinity
         self.metrics = metrics
         self.config = config
@@ -191,6 +196,8 @@ class Relay:
         if self.inject_headers:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
+        if self.pd is not None:
+            return await self.pd.attempts(request, body, route, request_id, usage, headers)
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
