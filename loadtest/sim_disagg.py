@@ -84,6 +84,8 @@ class Disaggregation:
 def bootstrap_fields(body: dict[str, Any], disagg: Disaggregation) -> tuple[str, int, int]:
     """(host, port, room) of a request to a PD server; ValueError (a 400) when they are
     missing or malformed, or when a prefill server is named by another bootstrap port."""
+    if body.get("bootstrap_room") is None:  # SGLang's words (an abort with status 400)
+        raise ValueError("Invalid request: Disaggregated request received without bootstrap room id.")
     missing = [f for f in BOOTSTRAP_FIELDS if body.get(f) is None]
     if missing:
         raise ValueError(

@@ -18,6 +18,8 @@ from kvrouter.loadtest import tokenizer
 from kvrouter.loadtest.process_group import free_port
 from kvrouter.loadtest.sim_disagg import Disaggregation
 from kvrouter.loadtest.sim_server import SIM_KEY, build_app
+from kvrouter.policies.decode_pick import pick_decode
+from kvrouter.policies.domain import ReplicaView, Snapshot
 from kvrouter.router.config import ConfigError, parse_config
 
 from .fakes import FakeUpstream
@@ -113,14 +115,30 @@ async def test_both_halves_get_the_prefill_servers_bootstrap_fields(start_app, s
     _, url = await start_router([], disaggregation={"prefill": [f"{p_url}={port}"], "decode": [d_url]},
                                 server={"host": "127.0.0.1", "port": 0, "replica_header": True})
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with s.post(url + "/v1/chat/completions", json={  # a client's own fields are replaced
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "bootstrap_host": "10.9.9.9", "bootstrap_room": 2**63 + 5,
+        }) as r:
             assert r.status == 200
             assert r.headers["x-kvrouter-replica"] == d_url  # the client's answer is the decode half
     (pb,), (db,) = [f["body"] for f in p_fake.requests], [f["body"] for f in d_fake.requests]
     assert pb == db
     assert pb["bootstrap_host"] == "127.0.0.1" and pb["bootstrap_port"] == port
     assert 0 <= pb["bootstrap_room"] < 2**63 and pb["messages"][0]["content"] == "hi"
+
+
+def test_decode_pick_takes_the_least_loaded_then_the_emptiest_kv():
+    views = (
+        ReplicaView("d1", num_running_reqs=3, num_queue_reqs=0, token_usage=0.1),
+        ReplicaView("d2", num_running_reqs=1, num_queue_reqs=0, token_usage=0.9),
+        ReplicaView("d3", num_running_reqs=1, num_queue_reqs=0, token_usage=0.2),
+        ReplicaView("d4", healthy=False),
+    )
+    snap = Snapshot(views)
+    rng = random.Random(0)
+    assert pick_decode(snap, frozenset(), rng).replica == "d3"
+    assert pick_decode(snap, frozenset({"d3"}), rng).replica == "d2"
+    assert pick_decode(snap, frozenset({"d1", "d2", "d3"}), rng) is None
 
 
 async def test_a_dead_decode_server_is_retried_on_another_pair(start_router, sim_fleet, closed_port_url):

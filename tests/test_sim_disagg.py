@@ -69,7 +69,9 @@ async def test_pd_server_refuses_a_request_without_bootstrap_fields(start_app, m
     async with aiohttp.ClientSession() as s:
         status, body = await _post(s, url, _body("hello"))
         assert status == 400
-        assert "bootstrap_host, bootstrap_port, bootstrap_room required" in body["message"]
+        assert "Disaggregated request received without bootstrap room id" in body["message"]
+        status, body = await _post(s, url, _body("hello", bootstrap_room=1))
+        assert status == 400 and "bootstrap_host, bootstrap_port required" in body["message"]
         status, body = await _post(
             s, url, _body("hello", bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=-3)
         )
