@@ -92,6 +92,8 @@ def _add_sim_replica(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="serve /metrics (default on)")
     p.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
     p.add_argument("--kv-events-config", help='JSON, e.g. \'{"publisher":"zmq","topic":"kv-events","endpoint":"tcp://*:5557"}\'')
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP-attention ranks: one radix cache, KV pool and load per rank")
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
                    help="prefill/decode disaggregation role (SGLang's flag; null = colocated)")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,

@@ -55,6 +55,8 @@ class RoomResult:
     prompt_tokens: int
     cached_tokens: int
     failed: str | None = None
+    dp_rank: int = 0  # the prefill server's DP rank that holds the KV
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ def bootstrap_app(board: RoomBoard) -> web.Application:
                 "status": "failed" if result.failed else "ready",
                 "prompt_tokens": result.prompt_tokens,
                 "cached_tokens": result.cached_tokens,
+                "dp_rank": result.dp_rank,
+                "dp_size": result.dp_size,
                 "message": result.failed,
             }
         )
@@ -199,7 +203,16 @@ async def fetch_room(
             ) from exc
         status = data.get("status")
         if status == "ready":
-            return RoomResult(int(data["prompt_tokens"]), int(data["cached_tokens"]))
+            result = RoomResult(int(data["prompt_tokens"]), int(data["cached_tokens"]),
+                                dp_rank=int(data["dp_rank"]), dp_size=int(data["dp_size"]))
+            # SGLang's decode side looks for the KV on prefill rank room % dp_size
+            # (follow_bootstrap_room): a prefill half run on another rank is never found.
+            if room % result.dp_size != result.dp_rank:
+                raise BootstrapError(
+                    f"room {room} looks for its KV on prefill DP rank {room % result.dp_size}, "
+                    f"but the prefill half ran on rank {result.dp_rank}"
+                )
+            return result
         if status == "failed":
             raise BootstrapError(f"prefill half of room {room} failed: {data.get('message')}")
         if status != "pending":

@@ -43,9 +43,10 @@ class InferenceHandlers:
                 host, port, room = bootstrap_fields(body, sim.disagg)
             except ValueError as exc:
                 raise SimError(str(exc)) from exc
-            if sim.disagg.mode == "decode":
-                transferred_cached = await self._receive_kv(host, port, room)
-                room = None
+        rank = sim.choose_rank(body.get("routed_dp_rank"), room)
+        if room is not None and sim.disagg.mode == "decode":
+            transferred_cached = await self._receive_kv(host, port, room)
+            room = None
         return sim.submit(
             prompt_text=s.prompt_text,
             input_ids=s.input_ids,
@@ -56,6 +57,7 @@ class InferenceHandlers:
             stream=bool(body.get("stream")),
             room=room,
             transferred_cached=transferred_cached,
+            rank=rank,
         )
 
     async def _receive_kv(self, host: str, port: int, room: int) -> int:

@@ -18,6 +18,11 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
   at the scrape.
 * output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
   deterministic draw from (seed, rid) capped by it.
+* DP attention (``dp_size`` > 1): one model per DP rank (its own radix cache, KV pool,
+  scheduler and load; the prompt compute of the shared MoE layers split between the ranks, see
+  :func:`rank_profile`). A request goes to ``routed_dp_rank`` when it names one, else to
+  ``bootstrap_room % dp_size`` on a PD server (SGLang's ``follow_bootstrap_room``), else round
+  robin. ``/metrics`` and KV events show rank 0; ``/v1/loads`` has one entry per rank.
 
 Times reported (``e2e_latency``, the latency histograms) are model seconds.
 """
@@ -62,6 +67,19 @@ class SimError(Exception):
         self.status = status
 
 
+def rank_profile(profile: Profile, dp_size: int) -> Profile:
+    """One DP-attention rank's profile: the replica's per-rank KV pool and scheduler as given,
+    but the GEMM and attention FLOP/s of the whole replica shared between its ``dp_size`` ranks
+    (their MoE layers run on the same GPUs). Decode weight reads are not split: the ranks step
+    together and read the weights once. An approximation: ranks never contend beyond that."""
+    if dp_size == 1:
+        return profile
+    update: dict[str, Any] = {"flops_eff_per_gpu": profile.flops_eff_per_gpu / dp_size}
+    if profile.attn_flops_eff_per_gpu is not None:
+        update["attn_flops_eff_per_gpu"] = profile.attn_flops_eff_per_gpu / dp_size
+    return profile.model_copy(update=update)
+
+
 @dataclass(eq=False)
 class SimReq:
     rid: str
@@ -77,6 +95,7 @@ class SimReq:
     finished: Finished | None = None
     emitted: int = 0  # output tokens handed to the client so far
     aborted: str | None = None  # abort message
+    rank: int = 0  # the DP rank serving it
     room: int | None = None  # PD prefill side: the bootstrap room this request serves
     transferred_cached: int | None = None  # PD decode side: the prefill side's cached tokens
 
@@ -115,6 +134,7 @@ class SimReplica:
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
         disaggregation: Disaggregation | None = None,
+        dp_size: int = 1,
     ) -> None:
         if isinstance(profile, str):
             profile = load_profile(profile)
@@ -127,6 +147,10 @@ class SimReplica:
             profile = Profile.model_validate({**profile.model_dump(), **update})
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
+        self.dp_size = dp_size
+        self._next_rank = 0  # round robin when nothing names a rank
         self.profile = profile
         self.time_scale = float(time_scale)
         self.seed = seed
@@ -145,7 +169,9 @@ class SimReplica:
             self.publisher = publisher_from_config(
                 self.kv_events_config, profile.page_size, self.served_model_name
             )
-        self.model = ReplicaModel(profile, kv_sink=self.publisher)
+        ranked = rank_profile(profile, dp_size)
+        self.models = [ReplicaModel(ranked, kv_sink=self.publisher if i == 0 else None)
+                       for i in range(dp_size)]
         self._reqs: dict[str, SimReq] = {}
         self._rid_rng = random.Random(seed)
         self._wake = asyncio.Event()
@@ -169,6 +195,24 @@ class SimReplica:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SimCollector(self))  # type: ignore[arg-type]
         self.created = int(time.time())
+
+    @property
+    def model(self) -> ReplicaModel:
+        """DP rank 0's model (the only one without DP attention)."""
+        return self.models[0]
+
+    def choose_rank(self, routed_dp_rank: Any = None, room: int | None = None) -> int:
+        """The DP rank of a request (SimError for a ``routed_dp_rank`` out of range)."""
+        if routed_dp_rank is not None:
+            if (isinstance(routed_dp_rank, bool) or not isinstance(routed_dp_rank, int)
+                    or not 0 <= routed_dp_rank < self.dp_size):
+                raise SimError(f"routed_dp_rank {routed_dp_rank!r} out of range [0, {self.dp_size})")
+            return routed_dp_rank
+        if room is not None:
+            return room % self.dp_size
+        rank = self._next_rank
+        self._next_rank = (rank + 1) % self.dp_size
+        return rank
 
     # -- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -204,11 +248,12 @@ class SimReplica:
     def poll(self) -> float:
         """Advance the model to now and deliver its events; returns now (model seconds)."""
         now = self.now()
-        for ev in self.model.advance(now):
-            if isinstance(ev, FirstToken):
-                self._on_first(ev)
-            elif isinstance(ev, Finished):
-                self._on_finished(ev)
+        for model in self.models:
+            for ev in model.advance(now):
+                if isinstance(ev, FirstToken):
+                    self._on_first(ev)
+                elif isinstance(ev, Finished):
+                    self._on_finished(ev)
         self._publish()
         return now
 
@@ -231,7 +276,8 @@ class SimReplica:
                     st.changed.set()
                 self._reqs.clear()
                 raise
-            t = self.model.next_event_time()
+            times = [t for m in self.models if (t := m.next_event_time()) is not None]
+            t = min(times) if times else None
             handle = None
             if t is not None:
                 handle = loop.call_later(self.wall_delay(t), self._wake.set)
@@ -282,7 +328,8 @@ class SimReplica:
         if self.rooms is None or st.room is None:
             return
         if st.finished is not None:
-            self.rooms.settle(st.room, RoomResult(st.prompt_len, st.finished.cached_tokens))
+            self.rooms.settle(st.room, RoomResult(
+                st.prompt_len, st.finished.cached_tokens, dp_rank=st.rank, dp_size=self.dp_size))
         else:
             self.rooms.settle(st.room, RoomResult(st.prompt_len, 0, st.aborted or "aborted"))
 
@@ -319,6 +366,7 @@ class SimReplica:
         stream: bool = False,
         room: int | None = None,
         transferred_cached: int | None = None,
+        rank: int = 0,
     ) -> SimReq:
         """Tokenize, choose the output, and hand the request to the model (raises SimError).
 
@@ -370,7 +418,7 @@ class SimReplica:
             self.publisher.note_root(keys[0], ns)
         now = self.now()
         try:
-            self.model.submit(
+            self.models[rank].submit(
                 SimRequest(
                     rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap,
                     kv_transferred=transferred_cached is not None,
@@ -381,7 +429,7 @@ class SimReplica:
             raise SimError(str(exc)) from exc
         st = SimReq(
             rid, prompt_len, out_len, out_text, kind, now, ns, stream,
-            room=room, transferred_cached=transferred_cached,
+            rank=rank, room=room, transferred_cached=transferred_cached,
         )
         self._reqs[rid] = st
         self._publish()
@@ -392,7 +440,7 @@ class SimReplica:
         st = self._reqs.pop(rid, None)
         if st is None:
             return False
-        self.model.abort(rid, self.now())
+        self.models[st.rank].abort(rid, self.now())
         st.aborted = message
         self._settle_room(st)
         st.changed.set()
@@ -406,7 +454,7 @@ class SimReplica:
     def flush_cache(self) -> bool:
         """SGLang's ``/flush_cache``: refused (False) while requests are running or waiting."""
         self.poll()
-        ok = self.model.flush_cache()
+        ok = not self._reqs and all([m.flush_cache() for m in self.models])
         self._publish()
         return ok
 
@@ -427,7 +475,7 @@ class SimReplica:
             if st.aborted is not None:
                 return
             if st.first is not None:
-                n = self.model.progress(st.rid, self.now())
+                n = self.models[st.rank].progress(st.rid, self.now())
                 if n > last:
                     last = st.emitted = n
                     yield n
@@ -454,10 +502,11 @@ class SimReplica:
             self.abort(st.rid, "The client disconnected.")
 
     # -- load views -------------------------------------------------------------------------------
-    def published_loads(self) -> PublishedLoads:
-        """The last published ``/v1/loads`` snapshot (SGLang's cadence, not the instant state)."""
+    def published_loads(self, rank: int = 0) -> PublishedLoads:
+        """The last published ``/v1/loads`` snapshot of DP rank ``rank`` (SGLang's cadence, not
+        the instant state)."""
         self.poll()
-        return self.model.published_loads(self.now())
+        return self.models[rank].published_loads(self.now())
 
     def published_metrics(self) -> PublishedMetrics:
         """The ``/metrics`` gauges as SGLang last refreshed them."""

@@ -143,6 +143,7 @@ def run(args: Any) -> int:
                 args.disaggregation_bootstrap_timeout,
                 args.disaggregation_transfer_gbps,
             ),
+            dp_size=args.dp_size,
         )
         await serve(sim, args.host, args.port)
 

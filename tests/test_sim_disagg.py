@@ -161,3 +161,55 @@ async def test_server_info_and_loads_report_the_role(pd_pair):
     assert info["disaggregation_mode"] == "prefill"
     assert info["disaggregation_bootstrap_port"] == port
     assert loads["loads"][0]["disaggregation"]["mode"] == "decode"
+
+
+# ----------------------------------------------------------------------------------------------
+# DP-attention ranks
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_dp_ranks_have_their_own_cache_and_load(start_app):
+    app = build_app("tiny", time_scale=FAST, dp_size=2)
+    sim, url = app[SIM_KEY], await start_app(app)
+    text = tokenizer.synthetic_text(400, 11)
+    async with aiohttp.ClientSession() as s:
+        status, first = await _post(s, url, _body(text, routed_dp_rank=1))
+        assert status == 200
+        # same prompt on the other rank: its radix cache never saw it
+        status, other = await _post(s, url, _body(text, routed_dp_rank=0))
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        status, again = await _post(s, url, _body(text, routed_dp_rank=1))
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+        status, bad = await _post(s, url, _body(text, routed_dp_rank=2))
+        assert status == 400 and "routed_dp_rank" in bad["message"]
+        async with s.get(url + "/v1/loads") as r:
+            loads = (await r.json())["loads"]
+        async with s.get(url + "/v1/loads?dp_rank=1") as r:
+            one = (await r.json())["loads"]
+        async with s.get(url + "/server_info") as r:
+            info = await r.json()
+    assert [e["dp_rank"] for e in loads] == [0, 1]
+    assert [e["dp_rank"] for e in one] == [1]
+    assert info["dp_size"] == 2
+    assert [m.num_requests_total for m in sim.models] == [1, 2]
+
+
+async def test_pd_with_dp_ranks_needs_a_room_that_names_the_prefill_rank(start_app):
+    port = free_port()
+    p_app = build_app("tiny", time_scale=FAST, dp_size=2, disaggregation=Disaggregation("prefill", port))
+    p_url = await start_app(p_app)
+    d_app = build_app("tiny", time_scale=FAST, disaggregation=Disaggregation("decode", bootstrap_timeout_s=5))
+    d_url = await start_app(d_app)
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    async with aiohttp.ClientSession() as s:
+        # rank 1 and an odd room: the decode side finds the KV on prefill rank 1
+        body = _body("dp pair", bootstrap_room=2 * 12345 + 1, **fields)
+        (ps, _), (ds, _) = await asyncio.gather(
+            _post(s, p_url, {**body, "routed_dp_rank": 1}), _post(s, d_url, body))
+        assert (ps, ds) == (200, 200)
+        # rank 1 with an even room: the decode side looks on rank 0 and never gets its KV
+        body = _body("dp pair", bootstrap_room=2 * 12345, **fields)
+        (ps, _), (ds, dbody) = await asyncio.gather(
+            _post(s, p_url, {**body, "routed_dp_rank": 1}), _post(s, d_url, body))
+        assert ps == 200 and ds == 500 and "prefill DP rank 0" in dbody["message"]
+    assert [m.num_requests_total for m in p_app[SIM_KEY].models] == [0, 2]
