@@ -39,6 +39,7 @@ from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
 from .pd_relay import PDForwarder
 from .poller import SignalPoller
 from .relay import Relay
+from .ranks import RankTable
 from .replicas import ReplicaRegistry
 from .security import KeyLimiter, load_api_keys, redact_url
 from .sessions import SessionTable
@@ -96,9 +97,12 @@ class Router:
             block_chars=config.routing.block_chars, weight=learn.ewma_weight, calibrate=learn.calibrate,
             index=self.index if isinstance(self.index, ShadowKVIndex) else None, metrics=self.metrics,
         )
+        dp_size = config.routing.dp_size
+        rank_blocks = kv.page_size if kv.enabled else max(1, config.routing.block_chars // 4)
+        self.ranks = RankTable(dp_size, rank_blocks) if dp_size > 1 else None
         self.engine = RoutingEngine(
             policy, self.registry, self.index, self.table, rng or random.Random(),
-            metrics=self.metrics, learner=self.learner,
+            metrics=self.metrics, learner=self.learner, ranks=self.ranks,
         )
         # The replica set at run time, and the running config (`self.config`) it reloads.
         self.membership = Membership(config, self.engine, self.metrics, clock,
@@ -119,7 +123,8 @@ class Router:
                            replica_header=config.server.replica_header,
                            drop_headers=tuple(drop), inject_headers=inject, worker=worker)
         self.poller = SignalPoller(
-            self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
+            self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals,
+            on_rank_loads=self.ranks.update if self.ranks is not None else None,
         )
         # PD disaggregation: the replica pool above is the prefill servers; the decode servers
         # have their own registry and poller, and the relay sends each request to a pair.
@@ -130,7 +135,7 @@ class Router:
             self.decode_pool = DecodePool(pd.decode, self.metrics, random.Random(),
                                           config.signals.failure_threshold)
             self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock)
-            self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd)
+            self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd, dp_size=dp_size)
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,

@@ -149,6 +149,12 @@ class RoutingConfig(_Strict):
     )
     block_chars: int = Field(256, ge=16, description="Prefix block size in characters (~64 tokens).")
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
+    dp_size: int = Field(
+        1, ge=1, le=1024, description="DP-attention ranks per replica (SGLang --dp-size with "
+        "--enable-dp-attention; with disaggregation, per prefill server). Above 1 the router also "
+        "picks the rank, by per-rank prefix and load, and sends routed_dp_rank; needs "
+        "signals.source: loads (per-rank /v1/loads).",
+    )
     rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
     rebalance_kv_pressure: bool = Field(
@@ -395,6 +401,12 @@ class RouterConfig(_Strict):
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @model_validator(mode="after")
+    def _ranks_need_rank_loads(self) -> RouterConfig:
+        if self.routing.dp_size > 1 and self.signals.source != "loads":
+            raise ValueError("routing.dp_size > 1 needs signals.source: loads (per-rank /v1/loads)")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -31,6 +31,7 @@ from .decode_pool import DecodePool, DecodeSlot
 from .errors import error_response
 from .headers import REQUEST_ID
 from .placement import Placement, RequestRoute
+from .ranks import room_for_rank
 from .upstream_http import UpstreamConnectError, UpstreamConnectTimeout, UpstreamResponse, UpstreamTimeout
 from .usage import UsageAccount
 
@@ -41,12 +42,16 @@ log = logging.getLogger("kvrouter.relay")
 ROOM_BITS = 63  # SGLang's rooms: random.randint(0, 2**63 - 1) in its own load balancer
 
 
-def bootstrap_body(parsed: dict[str, Any], prefill_url: str, bootstrap_port: int, room: int) -> bytes:
-    """The request body both halves get: the client's, with the three bootstrap fields set."""
+def bootstrap_body(parsed: dict[str, Any], prefill_url: str, bootstrap_port: int, room: int,
+                   routed_dp_rank: int | None = None) -> bytes:
+    """A half's request body: the client's, with the three bootstrap fields set (and the
+    prefill half's DP rank, when the router chose one)."""
     host = URL(prefill_url).host
-    return orjson.dumps(
-        {**parsed, "bootstrap_host": host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}
-    )
+    fields: dict[str, Any] = {"bootstrap_host": host, "bootstrap_port": bootstrap_port,
+                              "bootstrap_room": room}
+    if routed_dp_rank is not None:
+        fields["routed_dp_rank"] = routed_dp_rank
+    return orjson.dumps({**parsed, **fields})
 
 
 def _discard(task: asyncio.Task[UpstreamResponse]) -> None:
@@ -72,8 +77,9 @@ class PDForwarder:
     """The attempts of one router's disaggregated requests (one per router, like the relay)."""
 
     def __init__(self, relay: Relay, decode: DecodePool, config: DisaggregationConfig,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, dp_size: int = 1) -> None:
         self.relay = relay
+        self.dp_size = dp_size  # the prefill servers' DP-attention ranks
         self.decode = decode
         self.config = config
         self.rng = rng or random.SystemRandom()
@@ -108,12 +114,17 @@ class PDForwarder:
             try:
                 await prefill.confirm_home(route.store)
                 room = self.rng.getrandbits(ROOM_BITS)
-                pair_body = bootstrap_body(parsed, prefill.url, self.config.bootstrap_port(prefill.url), room)
+                port = self.config.bootstrap_port(prefill.url)
+                if prefill.rank is not None:  # the decode side finds the KV on rank room % dp
+                    room = room_for_rank(room, prefill.rank, self.dp_size)
+                # routed_dp_rank names the prefill server's rank; the decode server picks its own
+                p_body = bootstrap_body(parsed, prefill.url, port, room, prefill.rank)
+                d_body = bootstrap_body(parsed, prefill.url, port, room)
                 sent = relay.clock()
                 p_task = asyncio.ensure_future(
-                    relay.pool.request(request.method, prefill.url, path_qs, headers, pair_body))
+                    relay.pool.request(request.method, prefill.url, path_qs, headers, p_body))
                 d_task = asyncio.ensure_future(
-                    relay.pool.request(request.method, decode.url, path_qs, headers, pair_body))
+                    relay.pool.request(request.method, decode.url, path_qs, headers, d_body))
                 try:
                     p_resp = await p_task
                 except UpstreamConnectError as err:

@@ -81,7 +81,8 @@ class Placement:
     already reserved the replica's in-flight slot."""
 
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried",
-                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration")
+                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration",
+                 "rank")
 
     def __init__(
         self,
@@ -110,12 +111,17 @@ class Placement:
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
+        self.rank: int | None = None  # DP-attention rank on the replica (routing.dp_size > 1)
         self._reserve(self.url)
 
     # -- in-flight slot ----------------------------------------------------------------------------
     def _reserve(self, url: str) -> None:
         self._registration = self.engine.registry.registration(url)
         self.engine.registry.dispatched(url, self.summary.prompt_tokens)
+        ranks = self.engine.ranks
+        if ranks is not None:  # the rank follows the replica (a home found elsewhere moves both)
+            self.rank = ranks.choose(url, self.summary.prefix_blocks)
+            ranks.dispatched(url, self.rank)
         m = self.engine.metrics
         if m is not None:
             m.child(m.in_flight, url).inc()
@@ -123,6 +129,8 @@ class Placement:
 
     def _release(self, url: str) -> None:
         registry, m = self.engine.registry, self.engine.metrics
+        if self.engine.ranks is not None and self.rank is not None:
+            self.engine.ranks.completed(url, self.rank)
         if registry.registration(url) == self._registration:
             registry.completed(url, self.summary.prompt_tokens)
             if m is not None:
@@ -238,6 +246,8 @@ class Placement:
         summary, url = self.summary, self.url
         if summary.prefix_blocks:
             self.engine.index.record(url, summary.prefix_blocks)
+        if self.engine.ranks is not None and self.rank is not None:
+            self.engine.ranks.served(url, self.rank, summary.prefix_blocks)
         m = self.engine.metrics
         if m is not None and summary.prompt_tokens:
             m.prompt_tokens.inc(summary.prompt_tokens)

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from ..metrics.router_metrics import RouterMetrics
-from ..sglang_protocol.loads import parse_loads_json
+from ..sglang_protocol.loads import parse_loads_json, parse_rank_loads
 from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_metrics_text
 from .config import SignalsConfig
 from .replicas import ReplicaRegistry
@@ -32,12 +32,14 @@ class SignalPoller:
         config: SignalsConfig,
         clock: Callable[[], float] = time.monotonic,
         on_signals: Callable[[str, ReplicaSignals], None] | None = None,
+        on_rank_loads: Callable[[str, dict[int, ReplicaSignals]], None] | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.config = config
         self.clock = clock
         self.on_signals = on_signals or (lambda url, signals: None)
+        self.on_rank_loads = on_rank_loads  # DP attention: each rank's /v1/loads entry
         self.last_update: dict[str, float] = {}
         self.reached: set[str] = set()  # replicas that answered a poll at least once
 
@@ -54,7 +56,10 @@ class SignalPoller:
                 body = await resp.read()
                 if resp.status == 200:
                     if self.config.source == "loads":
-                        return parse_loads_json(orjson.loads(body))
+                        loads = orjson.loads(body)
+                        if self.on_rank_loads is not None:
+                            self.on_rank_loads(url, parse_rank_loads(loads))
+                        return parse_loads_json(loads)
                     return parse_metrics_text(body.decode("utf-8", "replace"))
                 if resp.status not in (404, 405):
                     raise SignalParseError(f"{path} answered {resp.status}")

@@ -27,6 +27,7 @@ from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
+from .ranks import routed_body
 
 if TYPE_CHECKING:
     from .pd_relay import PDForwarder
@@ -210,8 +211,9 @@ class Relay:
                 await current.confirm_home(route.store)
                 url = current.url
                 sent = self.clock()
+                sent_body = body if current.rank is None else routed_body(body, current.rank)
                 try:
-                    upstream = await self.pool.request(request.method, url, path_qs, headers, body)
+                    upstream = await self.pool.request(request.method, url, path_qs, headers, sent_body)
                 except UpstreamConnectError as err:  # the replica never got the request
                     kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
                     current.unreachable(kind)
