@@ -19,8 +19,7 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
 * output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
   deterministic draw from (seed, rid) capped by it.
 * DP attention (``dp_size`` > 1): one model per DP rank (its own radix cache, KV pool,
-  scheduler and load; the prompt compute of the shared MoE layers split between the ranks, see
-  :func:`rank_profile`). A request goes to ``routed_dp_rank`` when it names one, else to
+  scheduler and load; attention on the rank's own GPU, see :func:`rank_profile`). A request goes to ``routed_dp_rank`` when it names one, else to
   ``bootstrap_room % dp_size`` on a PD server (SGLang's ``follow_bootstrap_room``), else round
   robin. ``/metrics`` and KV events show rank 0; ``/v1/loads`` has one entry per rank.
 
@@ -68,16 +67,15 @@ class SimError(Exception):
 
 
 def rank_profile(profile: Profile, dp_size: int) -> Profile:
-    """One DP-attention rank's profile: the replica's per-rank KV pool and scheduler as given,
-    but the GEMM and attention FLOP/s of the whole replica shared between its ``dp_size`` ranks
-    (their MoE layers run on the same GPUs). Decode weight reads are not split: the ranks step
-    together and read the weights once. An approximation: ranks never contend beyond that."""
+    """One DP-attention rank's profile: the profile's numbers are per rank (KV pool, scheduler),
+    and a rank's attention runs on its own GPU (attention TP 1), so the attention FLOP/s of the
+    replica's ``gpus`` are divided between its ``dp_size`` ranks. The MoE and dense GEMMs and the
+    weight reads are the whole replica's, shared by all ranks: taken at full speed for each rank
+    (optimistic when several ranks prefill at once). KV reads are per rank already."""
     if dp_size == 1:
         return profile
-    update: dict[str, Any] = {"flops_eff_per_gpu": profile.flops_eff_per_gpu / dp_size}
-    if profile.attn_flops_eff_per_gpu is not None:
-        update["attn_flops_eff_per_gpu"] = profile.attn_flops_eff_per_gpu / dp_size
-    return profile.model_copy(update=update)
+    attn = profile.attn_flops_eff_per_gpu or profile.flops_eff_per_gpu
+    return profile.model_copy(update={"attn_flops_eff_per_gpu": attn / dp_size})
 
 
 @dataclass(eq=False)

@@ -213,3 +213,17 @@ async def test_pd_with_dp_ranks_needs_a_room_that_names_the_prefill_rank(start_a
             _post(s, p_url, {**body, "routed_dp_rank": 1}), _post(s, d_url, body))
         assert ps == 200 and ds == 500 and "prefill DP rank 0" in dbody["message"]
     assert [m.num_requests_total for m in p_app[SIM_KEY].models] == [0, 2]
+
+
+def test_a_rank_runs_attention_on_its_own_gpu_and_shares_the_gemms():
+    from kvrouter.loadtest import timing
+    from kvrouter.loadtest.profiles import load_profile
+    from kvrouter.loadtest.sim_replica import rank_profile
+
+    p = load_profile("kimi-k2.6-b200-tp4-dp4-fp8kv")
+    r = rank_profile(p, 4)
+    assert r.flops_eff_per_gpu == p.flops_eff_per_gpu
+    assert r.attn_flops_eff_per_gpu == pytest.approx(p.attn_flops_eff_per_gpu / 4)
+    # a long prompt's attention dominates: one rank prefills it slower than the whole replica
+    assert timing.prefill_compute_time(r, 8192, 90_000) > 2 * timing.prefill_compute_time(p, 8192, 90_000)
+    assert rank_profile(p, 1) is p
