@@ -119,7 +119,8 @@ class AdminHandlers:
             "host": sim.host,
             "port": sim.port,
             "tp_size": p.gpus,
-            "dp_size": sim.dp_size,
+            "dp_size": 1,
+            "attn_dp_size": sim.dp_size,  # sglang 0.5.23's name for DP-attention ranks
             "enable_dp_attention": sim.dp_size > 1,
             "pp_size": 1,
             "page_size": p.page_size,

@@ -150,8 +150,8 @@ class RoutingConfig(_Strict):
     block_chars: int = Field(256, ge=16, description="Prefix block size in characters (~64 tokens).")
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
     dp_size: int = Field(
-        1, ge=1, le=1024, description="DP-attention ranks per replica (SGLang --dp-size with "
-        "--enable-dp-attention; with disaggregation, per prefill server). Above 1 the router also "
+        1, ge=1, le=1024, description="DP-attention ranks per replica (SGLang --attn-dp-size, "
+        "formerly --dp-size with --enable-dp-attention; with disaggregation, per prefill server). Above 1 the router also "
         "picks the rank, by per-rank prefix and load, and sends routed_dp_rank; needs "
         "signals.source: loads (per-rank /v1/loads).",
     )

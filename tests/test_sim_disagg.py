@@ -190,7 +190,7 @@ async def test_dp_ranks_have_their_own_cache_and_load(start_app):
             info = await r.json()
     assert [e["dp_rank"] for e in loads] == [0, 1]
     assert [e["dp_rank"] for e in one] == [1]
-    assert info["dp_size"] == 2
+    assert info["attn_dp_size"] == 2
     assert [m.num_requests_total for m in sim.models] == [1, 2]
 
 
