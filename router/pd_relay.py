@@ -60,7 +60,13 @@ def _discard(task: asyncio.Task[UpstreamResponse]) -> None:
         task.cancel()
     elif not task.cancelled() and task.exception() is None:
         task.result().close()
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+    task.add_done_callback(_close_late)
+
+
+def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
+    """A discarded half that still ended with a response: close it (and retrieve any error)."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 async def _drain(response: UpstreamResponse, url: str) -> None:

@@ -4,7 +4,8 @@ Retries happen only before the first byte reaches the client, and only when the 
 got the request (connect failures) or refused it (502/503). A replica that got it and then timed
 out is not retried: it may still be working, and a long generation would run twice. After the
 first byte, an upstream failure or timeout ends an SSE stream with one clean error event at an
-event boundary (never half a JSON line).
+event boundary (never half a JSON line). On a prefill/decode-disaggregated fleet each attempt is
+a pair of requests (router/pd_relay.py), whose decode answer is relayed here the same way.
 """
 
 from __future__ import annotations
