@@ -1,7 +1,7 @@
 """Colocated vs prefill/decode-disaggregated vs DP-attention fleets of the same GPUs, live.
 
-Starts simulated Kimi K2.6 replicas (8 GPUs per fleet: two TP4 replicas, one prefill + one decode
-server, or two DP-attention replicas of 4 ranks), puts the seeded coding-agent workload through
+Starts simulated Kimi K2.6 replicas (8 x --pairs GPUs per fleet: 2 x pairs TP4 replicas, pairs
+prefill + pairs decode servers, or 2 x pairs DP-attention replicas of 4 ranks), puts the seeded coding-agent workload through
 kvrouter in front of each (and, with --smg PATH, through the SGLang gateway's PD mode on the PD
 fleet), and writes one JSON file and a markdown table:
 
@@ -40,18 +40,21 @@ class Fleet:
     role: list[str] = field(default_factory=list)  # "replica" | "prefill" | "decode"
 
 
-def fleets(with_smg: bool) -> list[Fleet]:
+def fleets(with_smg: bool, pairs: int = 1) -> list[Fleet]:
+    """Fleets of 8 x `pairs` GPUs."""
+    n = 2 * pairs
+    pd = f"{pairs}P + {pairs}D"
     out = [
-        Fleet("colocated 2 x TP4", "kvrouter",
-              [["--profile", COLOCATED]] * 2, ["replica"] * 2),
-        Fleet("disaggregated 1P + 1D", "kvrouter",
-              [["--profile", COLOCATED, "--disaggregation-mode", "prefill"],
-               ["--profile", COLOCATED, "--disaggregation-mode", "decode"]], ["prefill", "decode"]),
-        Fleet("DP attention 2 x 4 ranks", "kvrouter",
-              [["--profile", DP_RANK, "--dp-size", "4"]] * 2, ["replica"] * 2),
+        Fleet(f"colocated {n} x TP4", "kvrouter", [["--profile", COLOCATED]] * n, ["replica"] * n),
+        Fleet(f"disaggregated {pd}", "kvrouter",
+              [["--profile", COLOCATED, "--disaggregation-mode", "prefill"]] * pairs
+              + [["--profile", COLOCATED, "--disaggregation-mode", "decode"]] * pairs,
+              ["prefill"] * pairs + ["decode"] * pairs),
+        Fleet(f"DP attention {n} x 4 ranks", "kvrouter",
+              [["--profile", DP_RANK, "--dp-size", "4"]] * n, ["replica"] * n),
     ]
     if with_smg:
-        out.append(Fleet("disaggregated 1P + 1D, smg cache_aware", "smg", out[1].replicas, out[1].role))
+        out.append(Fleet(f"disaggregated {pd}, smg cache_aware", "smg", out[1].replicas, out[1].role))
     return out
 
 
@@ -111,6 +114,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--smg", help="the SGLang gateway's smg executable: also run its PD mode")
+    p.add_argument("--pairs", type=int, default=1, help="fleet size: 8 x PAIRS GPUs")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--duration", type=float, default=40.0, help="wall seconds of load per fleet")
     p.add_argument("--time-scale", type=float, default=5.0)
@@ -122,7 +126,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvrouter-pd-") as tmpdir:
         group = ProcessGroup(Path(tmpdir))
         try:
-            for fleet in fleets(args.smg is not None):
+            for fleet in fleets(args.smg is not None, args.pairs):
                 print(f"[pd_fleets] {fleet.name} ...", file=sys.stderr)
                 results[fleet.name] = asyncio.run(run_fleet(fleet, args, group, Path(tmpdir)))
         finally:

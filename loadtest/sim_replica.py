@@ -19,9 +19,10 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
 * output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
   deterministic draw from (seed, rid) capped by it.
 * DP attention (``dp_size`` > 1): one model per DP rank (its own radix cache, KV pool,
-  scheduler and load; attention on the rank's own GPU, see :func:`rank_profile`). A request goes to ``routed_dp_rank`` when it names one, else to
-  ``bootstrap_room % dp_size`` on a PD server (SGLang's ``follow_bootstrap_room``), else round
-  robin. ``/metrics`` and KV events show rank 0; ``/v1/loads`` has one entry per rank.
+  scheduler and load; attention on the rank's own GPU: ``profiles.rank_profile``). A request
+  goes to ``routed_dp_rank`` when it names one, else to ``bootstrap_room % dp_size`` on a PD
+  server (SGLang's ``follow_bootstrap_room``), else round robin. ``/metrics`` and KV events
+  show rank 0; ``/v1/loads`` has one entry per rank.
 
 Times reported (``e2e_latency``, the latency histograms) are model seconds.
 """
@@ -44,7 +45,7 @@ from prometheus_client import CollectorRegistry
 from ..sglang_protocol import metric_names as sg
 from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
-from .profiles import Profile, load_profile
+from .profiles import Profile, load_profile, rank_profile
 from .radix_cache import page_keys
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .replica_signals import PublishedLoads, PublishedMetrics
@@ -64,18 +65,6 @@ class SimError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def rank_profile(profile: Profile, dp_size: int) -> Profile:
-    """One DP-attention rank's profile: the profile's numbers are per rank (KV pool, scheduler),
-    and a rank's attention runs on its own GPU (attention TP 1), so the attention FLOP/s of the
-    replica's ``gpus`` are divided between its ``dp_size`` ranks. The MoE and dense GEMMs and the
-    weight reads are the whole replica's, shared by all ranks: taken at full speed for each rank
-    (optimistic when several ranks prefill at once). KV reads are per rank already."""
-    if dp_size == 1:
-        return profile
-    attn = profile.attn_flops_eff_per_gpu or profile.flops_eff_per_gpu
-    return profile.model_copy(update={"attn_flops_eff_per_gpu": attn / dp_size})
 
 
 @dataclass(eq=False)

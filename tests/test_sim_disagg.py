@@ -218,7 +218,7 @@ async def test_pd_with_dp_ranks_needs_a_room_that_names_the_prefill_rank(start_a
 def test_a_rank_runs_attention_on_its_own_gpu_and_shares_the_gemms():
     from kvrouter.loadtest import timing
     from kvrouter.loadtest.profiles import load_profile
-    from kvrouter.loadtest.sim_replica import rank_profile
+    from kvrouter.loadtest.profiles import rank_profile
 
     p = load_profile("kimi-k2.6-b200-tp4-dp4-fp8kv")
     r = rank_profile(p, 4)
