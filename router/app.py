@@ -38,8 +38,8 @@ from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
 from .pd_relay import PDForwarder
 from .poller import SignalPoller
-from .relay import Relay
 from .ranks import RankTable
+from .relay import Relay
 from .replicas import ReplicaRegistry
 from .security import KeyLimiter, load_api_keys, redact_url
 from .sessions import SessionTable

@@ -14,9 +14,9 @@ from aiohttp import web
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
 from .config import RouterConfig, normalize_replica_url
-from .poller import SignalPoller
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
+from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize

@@ -74,6 +74,8 @@ class SignalPoller:
             signals = await self._scrape(session, url)
         except (aiohttp.ClientError, asyncio.TimeoutError, SignalParseError, ValueError) as err:
             self.metrics.poll_errors.labels(url).inc()
+            if self.on_rank_loads is not None:
+                self.on_rank_loads(url, {})  # per-rank loads unknown until it answers again
             if self.registry.record_failure(url):
                 log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
         else:
