@@ -108,3 +108,22 @@ async def test_pd_room_names_the_prefill_rank_the_router_chose(start_app, start_
     assert "kvrouter_pd_bootstrap_failures_total{" not in text
     assert sum(m.num_requests_total for m in p_app[SIM_KEY].models) == 4
     assert d_app[SIM_KEY].model.num_requests_total == 4
+
+
+async def test_per_rank_loads_are_forgotten_when_the_poll_fails(closed_port_url):
+    from kvrouter.metrics.router_metrics import RouterMetrics
+    from kvrouter.router.config import SignalsConfig
+    from kvrouter.router.poller import SignalPoller
+    from kvrouter.router.ranks import RankTable
+    from kvrouter.router.replicas import ReplicaRegistry
+    from kvrouter.sglang_protocol.signals import ReplicaSignals
+
+    ranks = RankTable(2, 16)
+    ranks.update(closed_port_url, {0: ReplicaSignals(num_running_reqs=9, num_queue_reqs=0),
+                                   1: ReplicaSignals(num_running_reqs=0, num_queue_reqs=0)})
+    assert [v.load for v in ranks.views(closed_port_url, ())] == [9, 0]
+    poller = SignalPoller(ReplicaRegistry([closed_port_url]), RouterMetrics(),
+                          SignalsConfig(source="loads"), on_rank_loads=ranks.update)
+    async with aiohttp.ClientSession() as s:
+        await poller.poll(s, closed_port_url)
+    assert [v.load for v in ranks.views(closed_port_url, ())] == [0, 0]
