@@ -23,7 +23,7 @@ from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import Policy
 from ..policies.registry import build_policy
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
-from .config import RouterConfig
+from .config import DisaggregationConfig, RouterConfig
 from .decode_pool import DecodePool
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
@@ -136,6 +136,7 @@ class Router:
                                           config.signals.failure_threshold)
             self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock)
             self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd, dp_size=dp_size)
+            self.membership.on_disaggregation = self._reload_disaggregation
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
@@ -173,6 +174,13 @@ class Router:
             max_sessions=a.max_sessions, buckets=a.redis_buckets, cluster=a.redis_cluster,
             on_evict=self.metrics.sessions_evicted.labels("redis").inc, metrics=self.metrics,
         )
+
+    def _reload_disaggregation(self, pd: DisaggregationConfig) -> list[str]:
+        """SIGHUP or the admin reload on a PD fleet: the decode list and the prefill servers'
+        bootstrap ports (the prefill list itself is the replica list)."""
+        assert self.decode_pool is not None and self.relay.pd is not None
+        self.relay.pd.config = pd
+        return self.decode_pool.set_urls(pd.decode)
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
         if signals.max_total_num_tokens:

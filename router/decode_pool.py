@@ -71,6 +71,21 @@ class DecodePool:
         self.metrics = metrics
         self.rng = rng
 
+    def set_urls(self, urls: Iterable[str]) -> list[str]:
+        """A reloaded decode list: new servers join, missing ones leave (a request on one
+        finishes; its slot is released on the old registration). Returns what changed."""
+        urls = list(urls)
+        changes = []
+        for url in urls:
+            if self.registry.add(url, fresh=False):
+                self.metrics.replica_healthy.labels(url).set(1)
+                changes.append(f"+decode {url}")
+        for url in set(self.registry.urls()) - set(urls):
+            if self.registry.remove(url):
+                self.metrics.forget_replica(url)  # every series labelled with it
+                changes.append(f"-decode {url}")
+        return changes
+
     def place(self, exclude: frozenset[str], prompt_tokens: int) -> DecodeSlot | None:
         """Choose a decode server (not in `exclude`) and reserve its slot; None if none is left."""
         decision = pick_decode(self.registry.snapshot(), exclude, self.rng)

@@ -211,3 +211,23 @@ async def test_ready_only_when_both_pools_have_a_server_up(start_router, sim_fle
                 if r.status == 200:
                     break
             await asyncio.sleep(0.01)
+
+
+async def test_a_reload_applies_the_decode_list_and_bootstrap_ports(start_router, sim_fleet):
+    prefill, decode = await sim_fleet(1, 2)
+    (_, p_url, port), (_, d1), (_, d2) = prefill[0], decode[0], decode[1]
+    router, url = await start_router([], disaggregation={"prefill": [f"{p_url}=1"], "decode": [d1]})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json={  # bootstrap port 1: refused
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        }) as r:
+            assert r.status == 400
+        changes = router.membership.reload(parse_config(
+            {"disaggregation": {"prefill": [f"{p_url}={port}"], "decode": [d2]}}))
+        assert sorted(changes) == [f"+decode {d2}", f"-decode {d1}"]
+        assert router.decode_pool is not None and router.decode_pool.registry.urls() == [d2]
+        async with s.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        }) as r:
+            assert r.status == 200, await r.text()
+    assert decode[1][0].model.num_requests_total == 1 and decode[0][0].model.num_requests_total == 0
