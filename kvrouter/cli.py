@@ -15,7 +15,8 @@ Command = Callable[[argparse.Namespace], int]
 def _router_config(args: argparse.Namespace) -> RouterConfig:
     base = load_config(args.config) if args.config else RouterConfig()
     config = with_overrides(
-        base, host=args.host, port=args.port, replicas=args.replica, policy=args.policy
+        base, host=args.host, port=args.port, replicas=args.replica, policy=args.policy,
+        prefill=args.prefill, decode=args.decode,
     )
     if not config.replicas and not config.discovery.enabled:
         raise ConfigError(
@@ -51,6 +52,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", help="bind address")
     p.add_argument("--port", type=int, help="data port")
     p.add_argument("--policy", help="routing policy name")
+    p.add_argument("--prefill", action="append", metavar="URL[=BOOTSTRAP_PORT]",
+                   help="prefill server of a PD-disaggregated fleet (repeatable; port default 8998)")
+    p.add_argument("--decode", action="append", metavar="URL",
+                   help="decode server of a PD-disaggregated fleet (repeatable)")
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes sharing the port (SO_REUSEPORT); > 1 needs affinity.store: redis")
     p.set_defaults(func=cmd_serve)
@@ -87,6 +92,16 @@ def _add_sim_replica(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="serve /metrics (default on)")
     p.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
     p.add_argument("--kv-events-config", help='JSON, e.g. \'{"publisher":"zmq","topic":"kv-events","endpoint":"tcp://*:5557"}\'')
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP-attention ranks: one radix cache, KV pool and load per rank")
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="prefill/decode disaggregation role (SGLang's flag; null = colocated)")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="prefill side: port of its bootstrap server (SGLang's default 8998)")
+    p.add_argument("--disaggregation-bootstrap-timeout", type=float, default=300.0,
+                   help="decode side: wall seconds to wait for the prefill half of a request")
+    p.add_argument("--disaggregation-transfer-gbps", type=float, default=50.0,
+                   help="KV transfer bandwidth prefill -> decode in GB/s (model time)")
     p.set_defaults(func=cmd_sim_replica)
 
 

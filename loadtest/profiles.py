@@ -160,3 +160,15 @@ def scale_profile(profile: Profile, *, speed: float = 1.0, capacity: float = 1.0
         "t_layer": None if profile.t_layer is None else profile.t_layer / speed,
         "max_total_num_tokens": tokens,
     })
+
+
+def rank_profile(profile: Profile, dp_size: int) -> Profile:
+    """One DP-attention rank's profile: the profile's numbers are per rank (KV pool, scheduler),
+    and a rank's attention runs on its own GPU (attention TP 1), so the attention FLOP/s of the
+    replica's ``gpus`` are divided between its ``dp_size`` ranks. The MoE and dense GEMMs and the
+    weight reads are the whole replica's, shared by all ranks: taken at full speed for each rank
+    (optimistic when several ranks prefill at once). KV reads are per rank already."""
+    if dp_size == 1:
+        return profile
+    attn = profile.attn_flops_eff_per_gpu or profile.flops_eff_per_gpu
+    return profile.model_copy(update={"attn_flops_eff_per_gpu": attn / dp_size})

@@ -356,7 +356,8 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
         seconds = p.t_prefill_overhead + timing.load_back_time(p, load_tokens)
         for r, n in items:
             self._grow(r, r.filled + n)
-            seconds += timing.prefill_compute_time(p, n, r.filled)
+            if not r.sim.kv_transferred:
+                seconds += timing.prefill_compute_time(p, n, r.filled)
         self._prefill_items = items
         self._op = OP_PREFILL
         self._op_end = t + seconds

@@ -23,6 +23,9 @@ class SimRequest:
     # up to the context length). The scheduler's admission estimate comes from this, never
     # from output_len.
     max_new_tokens: int | None = None
+    # the prompt's KV arrives from a prefill server (PD decode side): admitted as usual, but
+    # its prefill forward computes nothing
+    kv_transferred: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -31,11 +31,14 @@ FLUSH_OK = (
 GIB = 1 << 30  # SGLang's memory figures are in GiB (its GB constant)
 
 
-def loads_entry(snap: PublishedLoads, p: Profile, include: set[str] | None = None) -> dict[str, Any]:
+def loads_entry(
+    snap: PublishedLoads, p: Profile, include: set[str] | None = None, disagg_mode: str = "null",
+    dp_rank: int = 0,
+) -> dict[str, Any]:
     """LoadSnapshot.to_dict: core keys in SGLang's order, no timestamp; sections that are None
     (no speculative decoding yet, no LoRA) are left out."""
     entry: dict[str, Any] = {
-        "dp_rank": 0,
+        "dp_rank": dp_rank,
         "num_running_reqs": snap.num_running_reqs,
         "num_waiting_reqs": snap.num_waiting_reqs,
         "num_waiting_uncached_tokens": snap.num_waiting_uncached_tokens,
@@ -64,7 +67,7 @@ def loads_entry(snap: PublishedLoads, p: Profile, include: set[str] | None = Non
         }),
         ("lora", "lora", None),
         ("disaggregation", "disagg", {
-            "mode": "null",
+            "mode": disagg_mode,
             "prefill_bootstrap_queue_reqs": 0,
             "prefill_inflight_queue_reqs": 0,
             "decode_prealloc_queue_reqs": 0,
@@ -117,6 +120,8 @@ class AdminHandlers:
             "port": sim.port,
             "tp_size": p.gpus,
             "dp_size": 1,
+            "attn_dp_size": sim.dp_size,  # sglang 0.5.23's name for DP-attention ranks
+            "enable_dp_attention": sim.dp_size > 1,
             "pp_size": 1,
             "page_size": p.page_size,
             "max_running_requests": p.max_running_requests,
@@ -131,6 +136,8 @@ class AdminHandlers:
             "weight_version": "default",
             "decode_log_interval": p.decode_log_interval,
             "load_snapshot_publish_interval": p.load_snapshot_publish_interval,
+            "disaggregation_mode": sim.disagg.mode,
+            "disaggregation_bootstrap_port": sim.disagg.bootstrap_port,
             "kv_events_config": (
                 orjson.dumps(sim.kv_events_config).decode() if sim.kv_events_config else None
             ),
@@ -195,12 +202,19 @@ class AdminHandlers:
                 {"detail": f"Invalid include sections: {sorted(bad)}. Valid: {list(VALID_LOAD_SECTIONS)}"},
                 400,
             )
+        sim = self.sim
         dp = request.query.get("dp_rank")
-        if dp not in (None, "", "0"):
-            return json_response({"detail": f"dp_rank {dp} out of range"}, 400)
-        entry = loads_entry(self.sim.published_loads(), self.sim.profile, sections)
+        ranks = list(range(sim.dp_size))
+        if dp not in (None, ""):
+            if not dp.isdigit() or int(dp) >= sim.dp_size:
+                return json_response({"detail": f"dp_rank {dp} out of range"}, 400)
+            ranks = [int(dp)]
+        entries = [
+            loads_entry(sim.published_loads(rank), sim.profile, sections, sim.disagg.mode, rank)
+            for rank in ranks
+        ]
         if request.query.get("format") == "prometheus":
-            return web.Response(text=loads_prometheus([entry]), content_type="text/plain")
+            return web.Response(text=loads_prometheus(entries), content_type="text/plain")
         p = self.sim.profile
         return json_response(
             {
@@ -208,23 +222,24 @@ class AdminHandlers:
                 "version": SIM_VERSION,
                 "accelerator": None,
                 "num_accelerators": p.gpus,
-                "loads": [entry],
+                "loads": entries,
             }
         )
 
     async def get_load(self, request: web.Request) -> web.Response:
         """The deprecated ``/get_load``: a projection of the same load snapshot."""
-        snap = self.sim.published_loads()
+        snaps = [self.sim.published_loads(rank) for rank in range(self.sim.dp_size)]
         return json_response(
             [
                 {
-                    "dp_rank": 0,
+                    "dp_rank": rank,
                     "num_reqs": snap.num_running_reqs + snap.num_waiting_reqs,
                     "num_waiting_reqs": snap.num_waiting_reqs,
                     "num_tokens": snap.num_total_tokens,
                     "num_pending_tokens": snap.num_total_tokens - snap.num_used_tokens,
                     "ts_tic": time.perf_counter(),
                 }
+                for rank, snap in enumerate(snaps)
             ]
         )
 

@@ -18,6 +18,11 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
   at the scrape.
 * output length: with ``ignore_eos`` exactly ``max_tokens`` (``max_new_tokens``), else a
   deterministic draw from (seed, rid) capped by it.
+* DP attention (``dp_size`` > 1): one model per DP rank (its own radix cache, KV pool,
+  scheduler and load; attention on the rank's own GPU: ``profiles.rank_profile``). A request
+  goes to ``routed_dp_rank`` when it names one, else to ``bootstrap_room % dp_size`` on a PD
+  server (SGLang's ``follow_bootstrap_room``), else round robin. ``/metrics`` and KV events
+  show rank 0; ``/v1/loads`` has one entry per rank.
 
 Times reported (``e2e_latency``, the latency histograms) are model seconds.
 """
@@ -40,10 +45,11 @@ from prometheus_client import CollectorRegistry
 from ..sglang_protocol import metric_names as sg
 from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
-from .profiles import Profile, load_profile
+from .profiles import Profile, load_profile, rank_profile
 from .radix_cache import page_keys
 from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .replica_signals import PublishedLoads, PublishedMetrics
+from .sim_disagg import Disaggregation, RoomBoard, RoomResult
 from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
 from .sim_metrics import Histogram, SimCollector
 
@@ -54,7 +60,11 @@ STREAM_INTERVAL_S = 0.02
 
 
 class SimError(Exception):
-    """A request SGLang would reject with 400."""
+    """A request SGLang would reject (400 unless told otherwise)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(eq=False)
@@ -72,6 +82,9 @@ class SimReq:
     finished: Finished | None = None
     emitted: int = 0  # output tokens handed to the client so far
     aborted: str | None = None  # abort message
+    rank: int = 0  # the DP rank serving it
+    room: int | None = None  # PD prefill side: the bootstrap room this request serves
+    transferred_cached: int | None = None  # PD decode side: the prefill side's cached tokens
 
     @property
     def over(self) -> bool:
@@ -79,6 +92,8 @@ class SimReq:
 
     @property
     def cached_tokens(self) -> int:
+        if self.transferred_cached is not None:
+            return self.transferred_cached
         if self.finished is not None:
             return self.finished.cached_tokens
         return self.first.cached_tokens if self.first is not None else 0
@@ -105,6 +120,8 @@ class SimReplica:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        disaggregation: Disaggregation | None = None,
+        dp_size: int = 1,
     ) -> None:
         if isinstance(profile, str):
             profile = load_profile(profile)
@@ -117,6 +134,10 @@ class SimReplica:
             profile = Profile.model_validate({**profile.model_dump(), **update})
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
+        self.dp_size = dp_size
+        self._next_rank = 0  # round robin when nothing names a rank
         self.profile = profile
         self.time_scale = float(time_scale)
         self.seed = seed
@@ -135,14 +156,20 @@ class SimReplica:
             self.publisher = publisher_from_config(
                 self.kv_events_config, profile.page_size, self.served_model_name
             )
-        self.model = ReplicaModel(profile, kv_sink=self.publisher)
+        ranked = rank_profile(profile, dp_size)
+        self.models = [ReplicaModel(ranked, kv_sink=self.publisher if i == 0 else None)
+                       for i in range(dp_size)]
         self._reqs: dict[str, SimReq] = {}
         self._rid_rng = random.Random(seed)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.failed: str | None = None  # set when the driver died on a model error
-        self.scheduler_label_values = (self.served_model_name, "unified", "0", "0", "0")
-        self.tokenizer_label_values = (self.served_model_name, "unified")
+        self.disagg = disaggregation or Disaggregation()
+        # the prefill side's rooms, answered by its bootstrap server (sim_disagg)
+        self.rooms: RoomBoard | None = RoomBoard() if self.disagg.mode == "prefill" else None
+        engine_type = self.disagg.mode if self.disagg.enabled else "unified"
+        self.scheduler_label_values = (self.served_model_name, engine_type, "0", "0", "0")
+        self.tokenizer_label_values = (self.served_model_name, engine_type)
         # Tokenizer metrics, per is_streaming value where SGLang labels them so; a label set
         # appears once a request has touched it, as with prometheus_client.
         self.histograms: dict[str, Histogram] = {
@@ -155,6 +182,24 @@ class SimReplica:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SimCollector(self))  # type: ignore[arg-type]
         self.created = int(time.time())
+
+    @property
+    def model(self) -> ReplicaModel:
+        """DP rank 0's model (the only one without DP attention)."""
+        return self.models[0]
+
+    def choose_rank(self, routed_dp_rank: Any = None, room: int | None = None) -> int:
+        """The DP rank of a request (SimError for a ``routed_dp_rank`` out of range)."""
+        if routed_dp_rank is not None:
+            if (isinstance(routed_dp_rank, bool) or not isinstance(routed_dp_rank, int)
+                    or not 0 <= routed_dp_rank < self.dp_size):
+                raise SimError(f"routed_dp_rank {routed_dp_rank!r} out of range [0, {self.dp_size})")
+            return routed_dp_rank
+        if room is not None:
+            return room % self.dp_size
+        rank = self._next_rank
+        self._next_rank = (rank + 1) % self.dp_size
+        return rank
 
     # -- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -179,6 +224,7 @@ class SimReplica:
             self._task = None
         for st in list(self._reqs.values()):
             st.aborted = st.aborted or "server shutting down"
+            self._settle_room(st)
             st.changed.set()
         if self.publisher is not None:
             await self.publisher.close()
@@ -189,11 +235,12 @@ class SimReplica:
     def poll(self) -> float:
         """Advance the model to now and deliver its events; returns now (model seconds)."""
         now = self.now()
-        for ev in self.model.advance(now):
-            if isinstance(ev, FirstToken):
-                self._on_first(ev)
-            elif isinstance(ev, Finished):
-                self._on_finished(ev)
+        for model in self.models:
+            for ev in model.advance(now):
+                if isinstance(ev, FirstToken):
+                    self._on_first(ev)
+                elif isinstance(ev, Finished):
+                    self._on_finished(ev)
         self._publish()
         return now
 
@@ -212,10 +259,12 @@ class SimReplica:
                 self.failed = f"simulated replica failed: {exc!r}"
                 for st in list(self._reqs.values()):
                     st.aborted = self.failed
+                    self._settle_room(st)
                     st.changed.set()
                 self._reqs.clear()
                 raise
-            t = self.model.next_event_time()
+            times = [t for m in self.models if (t := m.next_event_time()) is not None]
+            t = min(times) if times else None
             handle = None
             if t is not None:
                 handle = loop.call_later(self.wall_delay(t), self._wake.set)
@@ -258,7 +307,18 @@ class SimReplica:
             n = ev.completion_tokens - 1
             self.histograms[sg.INTER_TOKEN_LATENCY_SECONDS].observe(interval / n, n, interval)
         st.finished = ev
+        self._settle_room(st)
         st.changed.set()
+
+    def _settle_room(self, st: SimReq) -> None:
+        """PD prefill side: tell the decode half (via the bootstrap server) how its room ended."""
+        if self.rooms is None or st.room is None:
+            return
+        if st.finished is not None:
+            self.rooms.settle(st.room, RoomResult(
+                st.prompt_len, st.finished.cached_tokens, dp_rank=st.rank, dp_size=self.dp_size))
+        else:
+            self.rooms.settle(st.room, RoomResult(st.prompt_len, 0, st.aborted or "aborted"))
 
     # -- request API ------------------------------------------------------------------------------
     def new_rid(self) -> str:
@@ -291,8 +351,15 @@ class SimReplica:
         rid: str | None = None,
         namespace: str | None = None,
         stream: bool = False,
+        room: int | None = None,
+        transferred_cached: int | None = None,
+        rank: int = 0,
     ) -> SimReq:
-        """Tokenize, choose the output, and hand the request to the model (raises SimError)."""
+        """Tokenize, choose the output, and hand the request to the model (raises SimError).
+
+        PD: on a prefill server the request generates one token and settles ``room``; a
+        request given ``transferred_cached`` (decode server) has its KV already and computes no
+        prefill."""
         if self.failed is not None:
             raise SimError(self.failed)
         if input_ids is not None:
@@ -325,6 +392,8 @@ class SimReplica:
         if rid in self._reqs:
             raise SimError(f"Duplicate request ID: {rid}")
         out_len, kind = self.choose_output_len(rid, cap, ignore_eos)
+        if self.disagg.mode == "prefill":
+            out_len, kind = 1, "length"  # the prefill forward's one token; decode runs elsewhere
         out_text = tokenizer.synthetic_text(out_len, self._seed_for(rid) & 0x7FFFFFFF)
         if input_ids is not None:
             all_tokens = list(input_ids) + tokenizer.encode(out_text)
@@ -336,12 +405,19 @@ class SimReplica:
             self.publisher.note_root(keys[0], ns)
         now = self.now()
         try:
-            self.model.submit(
-                SimRequest(rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap), now
+            self.models[rank].submit(
+                SimRequest(
+                    rid, prompt_len, out_len, keys, all_tokens, max_new_tokens=cap,
+                    kv_transferred=transferred_cached is not None,
+                ),
+                now,
             )
         except ValueError as exc:
             raise SimError(str(exc)) from exc
-        st = SimReq(rid, prompt_len, out_len, out_text, kind, now, ns, stream)
+        st = SimReq(
+            rid, prompt_len, out_len, out_text, kind, now, ns, stream,
+            rank=rank, room=room, transferred_cached=transferred_cached,
+        )
         self._reqs[rid] = st
         self._publish()
         self.wake()
@@ -351,8 +427,9 @@ class SimReplica:
         st = self._reqs.pop(rid, None)
         if st is None:
             return False
-        self.model.abort(rid, self.now())
+        self.models[st.rank].abort(rid, self.now())
         st.aborted = message
+        self._settle_room(st)
         st.changed.set()
         self._publish()
         self.wake()
@@ -364,7 +441,7 @@ class SimReplica:
     def flush_cache(self) -> bool:
         """SGLang's ``/flush_cache``: refused (False) while requests are running or waiting."""
         self.poll()
-        ok = self.model.flush_cache()
+        ok = not self._reqs and all([m.flush_cache() for m in self.models])
         self._publish()
         return ok
 
@@ -385,7 +462,7 @@ class SimReplica:
             if st.aborted is not None:
                 return
             if st.first is not None:
-                n = self.model.progress(st.rid, self.now())
+                n = self.models[st.rank].progress(st.rid, self.now())
                 if n > last:
                     last = st.emitted = n
                     yield n
@@ -412,10 +489,11 @@ class SimReplica:
             self.abort(st.rid, "The client disconnected.")
 
     # -- load views -------------------------------------------------------------------------------
-    def published_loads(self) -> PublishedLoads:
-        """The last published ``/v1/loads`` snapshot (SGLang's cadence, not the instant state)."""
+    def published_loads(self, rank: int = 0) -> PublishedLoads:
+        """The last published ``/v1/loads`` snapshot of DP rank ``rank`` (SGLang's cadence, not
+        the instant state)."""
         self.poll()
-        return self.model.published_loads(self.now())
+        return self.models[rank].published_loads(self.now())
 
     def published_metrics(self) -> PublishedMetrics:
         """The ``/metrics`` gauges as SGLang last refreshed them."""

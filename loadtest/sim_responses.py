@@ -155,7 +155,7 @@ def retractions(sim: SimReplica, st: SimReq) -> int:
     """The request's retraction count so far (TokenizerManager: meta_info total_retractions)."""
     if st.finished is not None:
         return st.finished.retractions
-    return sim.model.retractions_of(st.rid)
+    return sim.models[st.rank].retractions_of(st.rid)
 
 
 def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ This module wires the parts into an app and serves it:
 * ``sim_inference``  ``/generate``, ``/v1/chat/completions``, ``/v1/completions``
 * ``sim_admin``      health, info, ``/v1/loads``, ``/get_load``, flush, abort, ``/metrics``
 * ``sim_metrics``    the Prometheus exposition behind ``/metrics``
+* ``sim_disagg``     prefill/decode disaggregation: bootstrap fields, rooms, KV transfer
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from .profiles import Profile
 from .sim_admin import AdminHandlers
+from .sim_disagg import Disaggregation, bootstrap_app
 from .sim_inference import InferenceHandlers
 from .sim_replica import SimReplica
 
@@ -69,11 +71,21 @@ def build_app(
     if sim.enable_metrics:
         r.add_get("/metrics", a.metrics)
 
+    bootstrap: list[web.AppRunner] = []
+
     async def _startup(app: web.Application) -> None:
         await sim.start()
+        if sim.rooms is not None:  # PD prefill side: serve the bootstrap port as SGLang does
+            runner = web.AppRunner(bootstrap_app(sim.rooms), access_log=None, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, sim.host, sim.disagg.bootstrap_port).start()
+            bootstrap.append(runner)
 
     async def _cleanup(app: web.Application) -> None:
         await sim.stop()
+        await h.close()
+        for runner in bootstrap:
+            await runner.cleanup()
 
     app.on_startup.append(_startup)
     app.on_cleanup.append(_cleanup)
@@ -90,9 +102,11 @@ async def serve(sim: SimReplica, host: str, port: int) -> None:
     sim.port = bound
     p = sim.profile
     log.info(
-        "sim-replica %s on http://%s:%d profile=%s time_scale=%g kv=%d tokens page=%d%s",
+        "sim-replica %s on http://%s:%d profile=%s time_scale=%g kv=%d tokens page=%d%s%s",
         sim.served_model_name, host, bound, p.name, sim.time_scale, p.max_total_num_tokens,
         p.page_size, f" kv-events={sim.publisher.endpoint}" if sim.publisher else "",
+        f" disaggregation={sim.disagg.mode} bootstrap-port={sim.disagg.bootstrap_port}"
+        if sim.disagg.enabled else "",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,6 +137,13 @@ def run(args: Any) -> int:
             kv_events_config=args.kv_events_config,
             host=args.host,
             port=args.port,
+            disaggregation=Disaggregation(
+                args.disaggregation_mode,
+                args.disaggregation_bootstrap_port,
+                args.disaggregation_bootstrap_timeout,
+                args.disaggregation_transfer_gbps,
+            ),
+            dp_size=args.dp_size,
         )
         await serve(sim, args.host, args.port)
 

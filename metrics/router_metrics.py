@@ -69,6 +69,13 @@ class RouterMetrics:
             ["replica", "kind"],
             registry=r,
         )
+        self.pd_bootstrap_failures = Counter(
+            "kvrouter_pd_bootstrap_failures_total",
+            "Prefill/decode pairs that failed after both halves were sent (the decode half "
+            "cannot get its KV), by the half that failed: prefill or decode.",
+            ["stage"],
+            registry=r,
+        )
         self.decisions = Counter(
             "kvrouter_routing_decisions_total",
             "Routing decisions by policy and reason.",

@@ -25,8 +25,9 @@ from ..policies.registry import build_policy
 from .admission import policy_marks
 from .admission_gate import AdmissionGate
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
-from .config import ConfigError, RouterConfig
+from .config import ConfigError, DisaggregationConfig, RouterConfig
 from .decision_log import DecisionLog, worker_path
+from .decode_pool import DecodePool
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
@@ -38,7 +39,9 @@ from .kv_index_shadow import ShadowKVIndex
 from .learning import UsageLearner
 from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
+from .pd_relay import PDForwarder
 from .poller import SignalPoller
+from .ranks import RankTable
 from .relay import Relay
 from .replicas import ReplicaRegistry
 from .security import KeyLimiter, load_api_keys, redact_url
@@ -99,9 +102,12 @@ class Router:
             block_chars=config.routing.block_chars, weight=learn.ewma_weight, calibrate=learn.calibrate,
             index=self.index if isinstance(self.index, ShadowKVIndex) else None, metrics=self.metrics,
         )
+        dp_size = config.routing.dp_size
+        rank_blocks = kv.page_size if kv.enabled else max(1, config.routing.block_chars // 4)
+        self.ranks = RankTable(dp_size, rank_blocks) if dp_size > 1 else None
         self.engine = RoutingEngine(
             policy, self.registry, self.index, self.table, rng or random.Random(),
-            metrics=self.metrics, learner=self.learner,
+            metrics=self.metrics, learner=self.learner, ranks=self.ranks,
         )
         # The replica set at run time, and the running config (`self.config`) it reloads.
         self.membership = Membership(config, self.engine, self.metrics, clock,
@@ -125,7 +131,8 @@ class Router:
             self.relay.admission = AdmissionGate(config.admission, self.engine, self.metrics, clock,
                                                  *policy_marks(policy))  # kept up with reloads
         self.poller = SignalPoller(
-            self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals
+            self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals,
+            on_rank_loads=self.ranks.update if self.ranks is not None else None,
         )
         obs = config.observability
         self.decision_log: DecisionLog | None = None
@@ -144,10 +151,23 @@ class Router:
         if self.tracing is not None:
             self.relay.tracing = self.tracing
             self.engine.explain = True
+        # PD disaggregation: the replica pool above is the prefill servers; the decode servers
+        # have their own registry and poller, and the relay sends each request to a pair.
+        self.decode_pool: DecodePool | None = None
+        self.decode_poller: SignalPoller | None = None
+        pd = config.disaggregation
+        if pd.enabled:
+            self.decode_pool = DecodePool(pd.decode, self.metrics, random.Random(),
+                                          config.signals.failure_threshold)
+            self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock)
+            self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd, dp_size=dp_size)
+            self.membership.on_disaggregation = self._reload_disaggregation
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
                                          config.routing, clock)
         self.handlers = Handlers(config, self.registry, self.relay, self.metrics, clock,
-                                 exact_blocks=self._exact_blocks, tokenize_pool=self.tokenize_pool)
+                                 exact_blocks=self._exact_blocks, tokenize_pool=self.tokenize_pool,
+                                 pd_pollers=(self.poller, self.decode_poller)
+                                 if self.decode_poller is not None else None)
 
     @property
     def config(self) -> RouterConfig:
@@ -192,6 +212,12 @@ class Router:
                 raise ConfigError(f"observability.otel_endpoint: {err}") from None
             log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but %s; running without tracing", err)
             return None
+    def _reload_disaggregation(self, pd: DisaggregationConfig) -> list[str]:
+        """SIGHUP or the admin reload on a PD fleet: the decode list and the prefill servers'
+        bootstrap ports (the prefill list itself is the replica list)."""
+        assert self.decode_pool is not None and self.relay.pd is not None
+        self.relay.pd.config = pd
+        return self.decode_pool.set_urls(pd.decode)
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
         if signals.max_total_num_tokens:
@@ -238,6 +264,9 @@ class Router:
             spawn("signal-poller", lambda: self.poller.run(session), metrics=self.metrics),
             spawn("housekeeping", self.housekeeping.run, metrics=self.metrics),
         ]
+        decode_poller = self.decode_poller
+        if decode_poller is not None:
+            tasks.append(spawn("decode-poller", lambda: decode_poller.run(session), metrics=self.metrics))
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
         yield

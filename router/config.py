@@ -154,6 +154,12 @@ class RoutingConfig(_Strict):
         "extends an earlier prompt hashes only its new bytes (0: hash every prompt whole).",
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
+    dp_size: int = Field(
+        1, ge=1, le=1024, description="DP-attention ranks per replica (SGLang --attn-dp-size, "
+        "formerly --dp-size with --enable-dp-attention; with disaggregation, per prefill server). Above 1 the router also "
+        "picks the rank, by per-rank prefix and load, and sends routed_dp_rank; needs "
+        "signals.source: loads (per-rank /v1/loads).",
+    )
     rebalance_interval_s: float = Field(10.0, gt=0, description="How often fresh replicas are checked and idle sessions moved to them.")
     rebalance_max_moves: int = Field(4, ge=0, description="Sessions moved to fresh replicas per interval at most.")
     rebalance_kv_pressure: bool = Field(
@@ -361,11 +367,72 @@ class ObservabilityConfig(_Strict):
         "..._TRACES_ENDPOINT) variable if set, else no tracing. Needs the `otel` extra.",
     )
     otel_service_name: str = Field("kvrouter", description="The spans' service.name.")
+SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+
+
+def parse_prefill_spec(value: str) -> dict[str, Any]:
+    """``URL[=BOOTSTRAP_PORT]`` (the ``--prefill`` flag) as a prefill server entry."""
+    url, sep, port = value.rpartition("=") if "=" in value else (value, "", "")
+    if not sep:
+        return {"url": value}
+    try:
+        return {"url": url, "bootstrap_port": int(port)}
+    except ValueError:
+        raise ValueError(f"invalid prefill server {value!r} (want URL or URL=BOOTSTRAP_PORT)") from None
+
+
+class PrefillServer(_Strict):
+    url: ReplicaUrl = Field(description="Base URL of an SGLang server started with --disaggregation-mode prefill.")
+    bootstrap_port: int = Field(
+        SGLANG_BOOTSTRAP_PORT, ge=1, le=65535,
+        description="Its --disaggregation-bootstrap-port (SGLang's default 8998), sent to the decode server.",
+    )
+
+
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation (SGLang's PD mode): every request goes to one prefill and
+    one decode server at once, with bootstrap_host/port/room added to its body; the client
+    streams from the decode server. The prefill servers are the routed replica pool (the
+    policy, affinity and KV index apply to them); decode servers are chosen by load and KV usage."""
+
+    prefill: tuple[PrefillServer, ...] = Field((), description="Prefill servers (the policy's replica pool).")
+    decode: tuple[ReplicaUrl, ...] = Field((), description="Decode servers.")
+
+    @field_validator("prefill", mode="before")
+    @classmethod
+    def _prefill_specs(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [parse_prefill_spec(v) if isinstance(v, str) else v for v in value]
+        return value
+
+    @model_validator(mode="after")
+    def _both_pools(self) -> DisaggregationConfig:
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("prefill and decode servers go together: give at least one of each")
+        overlap = {p.url for p in self.prefill} & set(self.decode)
+        if overlap:
+            raise ValueError(f"a server cannot be both prefill and decode: {sorted(overlap)}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prefill)
+
+    def bootstrap_port(self, url: str) -> int:
+        """The bootstrap port of prefill server `url` (SGLang's default for one not listed)."""
+        for p in self.prefill:
+            if p.url == url:
+                return p.bootstrap_port
+        return SGLANG_BOOTSTRAP_PORT
 
 
 class RouterConfig(_Strict):
     server: ServerConfig = ServerConfig()
-    replicas: tuple[ReplicaUrl, ...] = Field((), description="Static replica base URLs.")
+    replicas: tuple[ReplicaUrl, ...] = Field(
+        (), description="Static replica base URLs (with disaggregation: the prefill servers, "
+        "filled in from disaggregation.prefill when empty).",
+    )
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     policy: PolicyConfig = PolicyConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     signals: SignalsConfig = SignalsConfig()
@@ -378,6 +445,37 @@ class RouterConfig(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     admission: AdmissionConfig = AdmissionConfig()
+
+    @model_validator(mode="after")
+    def _ranks_need_rank_loads(self) -> RouterConfig:
+        if self.routing.dp_size > 1 and self.signals.source != "loads":
+            raise ValueError("routing.dp_size > 1 needs signals.source: loads (per-rank /v1/loads)")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prefill_pool_is_the_replica_pool(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        pd = data.get("disaggregation")
+        if not isinstance(pd, dict) or not pd.get("prefill"):
+            return data
+        prefill = [parse_prefill_spec(p) if isinstance(p, str) else p for p in pd["prefill"]]
+        urls = [p.get("url") if isinstance(p, dict) else p for p in prefill]
+        given = data.get("replicas")
+        if given and _normalized(given) != _normalized(urls):  # a dumped config repeats them
+            raise ValueError(
+                "replicas: with disaggregation the routed pool is disaggregation.prefill; "
+                "leave replicas empty"
+            )
+        return {**data, "replicas": urls}
+
+
+def _normalized(urls: Any) -> list[str] | None:
+    try:
+        return [normalize_replica_url(u) for u in urls]
+    except (TypeError, ValueError):
+        return None
 
 
 def _one_line(err: ValidationError) -> str:
@@ -426,6 +524,11 @@ def with_overrides(config: RouterConfig, **flags: Any) -> RouterConfig:
         data["server"]["port"] = flags["port"]
     if flags.get("replicas"):
         data["replicas"] = list(flags["replicas"])
+    if flags.get("prefill") or flags.get("decode"):
+        data["disaggregation"] = {"prefill": list(flags.get("prefill") or ()),
+                                  "decode": list(flags.get("decode") or ())}
+        if not flags.get("replicas"):
+            data["replicas"] = []  # the prefill servers become the pool
     if flags.get("policy") is not None:
         data["policy"] = {"name": flags["policy"], "params": {}}
     return parse_config(data, "command line")

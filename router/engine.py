@@ -25,6 +25,7 @@ from ..policies.predict import predict
 from .kv_index import KVIndex
 from .learning import UsageLearner
 from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
+from .ranks import RankTable
 from .replicas import ReplicaRegistry
 from .sessions import SessionTable
 
@@ -48,7 +49,9 @@ class RoutingEngine:
         default_capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
         metrics: RouterMetrics | None = None,
         learner: UsageLearner | None = None,
+        ranks: RankTable | None = None,
     ) -> None:
+        self.ranks = ranks  # DP-attention ranks per replica (routing.dp_size > 1); None: none
         self.learner = learner  # learns from reported usage (live router); None: nothing learnt
         self.metrics = metrics  # the live router's (decisions, in-flight, cached tokens); None in the simulator
         self.default_capacity_tokens = default_capacity_tokens  # until a replica reports its own
@@ -93,6 +96,8 @@ class RoutingEngine:
         # rehomed by the policy (with a shared store, other routers see the same).
         self.registry.remove(url)
         self.index.forget(url)
+        if self.ranks is not None:
+            self.ranks.forget(url)
         self.fresh_since.pop(url, None)
 
     # -- per request ---------------------------------------------------------------------------

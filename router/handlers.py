@@ -16,6 +16,7 @@ from ..policies.domain import RequestSummary
 from .config import RouterConfig, normalize_replica_url
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
+from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
 from .prefix_chain import PrefixChains
@@ -38,6 +39,7 @@ class Handlers:
         *,
         exact_blocks: ExactBlocks | None = None,
         tokenize_pool: TokenizePool[tuple[int, tuple[int, ...]]] | None = None,
+        pd_pollers: tuple[SignalPoller, SignalPoller] | None = None,
     ) -> None:
         self.config = config  # server and routing settings: a reload does not change them
         self.registry = registry
@@ -47,6 +49,9 @@ class Handlers:
         self._exact_blocks = exact_blocks
         self.tokenize_pool = tokenize_pool
         self.prefix_chains = PrefixChains(int(config.routing.prefix_chain_cache_mb * 2**20))
+        # PD disaggregation: the (prefill, decode) pollers; /ready needs a member of each pool
+        # that is healthy and has answered a poll
+        self.pd_pollers = pd_pollers
         self.shutting_down = False
 
     def stop_accepting(self) -> None:
@@ -220,8 +225,15 @@ class Handlers:
     async def handle_ready(self, request: web.Request) -> web.StreamResponse:
         healthy = sum(1 for v in self.registry.snapshot().replicas if v.healthy)
         ready = healthy > 0 and not self.shutting_down
-        body = orjson.dumps({"ready": ready, "healthy_replicas": healthy,
-                             "replicas": len(self.registry), "shutting_down": self.shutting_down})
+        state: dict[str, Any] = {"healthy_replicas": healthy, "replicas": len(self.registry),
+                                 "shutting_down": self.shutting_down}
+        if self.pd_pollers is not None:
+            prefill, decode = self.pd_pollers
+            state["prefill_servers_up"] = prefill.up_count()
+            state["decode_servers_up"] = decode.up_count()
+            state["decode_servers"] = len(decode.registry)
+            ready = ready and state["prefill_servers_up"] > 0 and state["decode_servers_up"] > 0
+        body = orjson.dumps({"ready": ready, **state})
         return web.Response(status=200 if ready else 503, body=body,
                             content_type="application/json")
 

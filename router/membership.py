@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ..policies.registry import build_policy
-from .config import RouterConfig
+from .config import DisaggregationConfig, RouterConfig
 
 if TYPE_CHECKING:
     from ..metrics.router_metrics import RouterMetrics
@@ -65,6 +65,9 @@ class Membership:
         self.forget_connections = forget_connections  # the relay's idle connections to a replica
         self.clock = clock
         self.kv_events = kv_events
+        # PD disaggregation: applies a reloaded `disaggregation:` section (decode servers,
+        # bootstrap ports); returns what changed. None: not a disaggregated fleet.
+        self.on_disaggregation: Callable[[DisaggregationConfig], list[str]] | None = None
         for url in self.registry.urls():  # the static list: healthy until probed otherwise
             metrics.replica_healthy.labels(url).set(1)
             metrics.in_flight.labels(url).set(0)
@@ -121,7 +124,9 @@ class Membership:
         for url in set(self.config.replicas) - set(config.replicas):
             if self.remove(url):
                 changes.append(f"-{url}")
-        self.config = self.config.model_copy(
-            update={"policy": config.policy, "replicas": config.replicas}
-        )
+        update: dict[str, object] = {"policy": config.policy, "replicas": config.replicas}
+        if self.on_disaggregation is not None and config.disaggregation.enabled:
+            changes += self.on_disaggregation(config.disaggregation)
+            update["disaggregation"] = config.disaggregation
+        self.config = self.config.model_copy(update=update)
         return changes

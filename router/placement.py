@@ -95,7 +95,8 @@ class Placement:
 
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
-                 "_claimed_home", "_began", "_claim_pending", "_held", "_accepted", "_registration")
+                 "rank", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
+                 "_registration")
 
     def __init__(
         self,
@@ -132,12 +133,17 @@ class Placement:
         # The cost model's TTFT for this attempt, when admission control predicted one: compared
         # with the first byte's time (`first_byte`) to calibrate its predictions.
         self.predicted_ttft_s: float | None = None
+        self.rank: int | None = None  # DP-attention rank on the replica (routing.dp_size > 1)
         self._reserve(self.url)
 
     # -- in-flight slot ----------------------------------------------------------------------------
     def _reserve(self, url: str) -> None:
         self._registration = self.engine.registry.registration(url)
         self.engine.registry.dispatched(url, self.summary.prompt_tokens)
+        ranks = self.engine.ranks
+        if ranks is not None:  # the rank follows the replica (a home found elsewhere moves both)
+            self.rank = ranks.choose(url, self.summary.prefix_blocks)
+            ranks.dispatched(url, self.rank)
         m = self.engine.metrics
         if m is not None:
             m.child(m.in_flight, url).inc()
@@ -145,6 +151,8 @@ class Placement:
 
     def _release(self, url: str) -> None:
         registry, m = self.engine.registry, self.engine.metrics
+        if self.engine.ranks is not None and self.rank is not None:
+            self.engine.ranks.completed(url, self.rank)
         if registry.registration(url) == self._registration:
             registry.completed(url, self.summary.prompt_tokens)
             if m is not None:
@@ -271,6 +279,8 @@ class Placement:
         summary, url = self.summary, self.url
         if summary.prefix_blocks:
             self.engine.index.record(url, summary.prefix_blocks)
+        if self.engine.ranks is not None and self.rank is not None:
+            self.engine.ranks.served(url, self.rank, summary.prefix_blocks)
         m = self.engine.metrics
         if m is not None and summary.prompt_tokens:
             m.prompt_tokens.inc(summary.prompt_tokens)
@@ -295,6 +305,16 @@ class Placement:
             usage.prompt_tokens, self.summary.cached_tokens.get(url, 0))
         learner.observe(url, self.summary.model, usage, prompt_bytes=prompt_bytes,
                         predicted_cached=predicted, prefix_blocks=self.summary.prefix_blocks)
+
+    def again(self) -> Placement | None:
+        """Release this attempt and place the request on the same replica once more (PD: the
+        other half of its pair failed; this replica did its part and holds the prompt's KV).
+        None if the replica is no longer healthy."""
+        self.done()
+        if not self.engine.registry.healthy(self.url):
+            return None
+        return Placement(self.engine, self.summary, self.session, self.decision,
+                         target=self.target, retry_of=self)
 
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from ..metrics.router_metrics import RouterMetrics
-from ..sglang_protocol.loads import parse_loads_json
+from ..sglang_protocol.loads import parse_loads_json, parse_rank_loads
 from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_metrics_text
 from .config import SignalsConfig
 from .replicas import ReplicaRegistry
@@ -32,13 +32,20 @@ class SignalPoller:
         config: SignalsConfig,
         clock: Callable[[], float] = time.monotonic,
         on_signals: Callable[[str, ReplicaSignals], None] | None = None,
+        on_rank_loads: Callable[[str, dict[int, ReplicaSignals]], None] | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.config = config
         self.clock = clock
         self.on_signals = on_signals or (lambda url, signals: None)
+        self.on_rank_loads = on_rank_loads  # DP attention: each rank's /v1/loads entry
         self.last_update: dict[str, float] = {}
+        self.reached: set[str] = set()  # replicas that answered a poll at least once
+
+    def up_count(self) -> int:
+        """Healthy replicas that have answered a poll (not merely assumed healthy at start)."""
+        return sum(1 for v in self.registry.snapshot().replicas if v.healthy and v.id in self.reached)
 
     async def _scrape(self, session: aiohttp.ClientSession, url: str) -> ReplicaSignals | None:
         """Signals, or None when the replica is alive but exposes none. Raises on failure."""
@@ -49,7 +56,10 @@ class SignalPoller:
                 body = await resp.read()
                 if resp.status == 200:
                     if self.config.source == "loads":
-                        return parse_loads_json(orjson.loads(body))
+                        loads = orjson.loads(body)
+                        if self.on_rank_loads is not None:
+                            self.on_rank_loads(url, parse_rank_loads(loads))
+                        return parse_loads_json(loads)
                     return parse_metrics_text(body.decode("utf-8", "replace"))
                 if resp.status not in (404, 405):
                     raise SignalParseError(f"{path} answered {resp.status}")
@@ -64,9 +74,12 @@ class SignalPoller:
             signals = await self._scrape(session, url)
         except (aiohttp.ClientError, asyncio.TimeoutError, SignalParseError, ValueError) as err:
             self.metrics.poll_errors.labels(url).inc()
+            if self.on_rank_loads is not None:
+                self.on_rank_loads(url, {})  # per-rank loads unknown until it answers again
             if self.registry.record_failure(url):
                 log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
         else:
+            self.reached.add(url)
             if self.registry.record_success(url):
                 log.info("replica %s is healthy again", url)
             if signals is not None:

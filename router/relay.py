@@ -4,7 +4,8 @@ Retries happen only before the first byte reaches the client, and only when the 
 got the request (connect failures) or refused it (502/503). A replica that got it and then timed
 out is not retried: it may still be working, and a long generation would run twice. After the
 first byte, an upstream failure or timeout ends an SSE stream with one clean error event at an
-event boundary (never half a JSON line).
+event boundary (never half a JSON line). On a prefill/decode-disaggregated fleet each attempt is
+a pair of requests (router/pd_relay.py), whose decode answer is relayed here the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +32,10 @@ from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
 from .tracing import RequestTrace, Tracing
+from .ranks import routed_body
+
+if TYPE_CHECKING:
+    from .pd_relay import PDForwarder
 from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
 from .upstream_http import (
     UpstreamBodyError,
@@ -99,6 +105,7 @@ class Relay:
         self.inject_headers = dict(inject_headers or {})
         self.engine = engine
         self.admission: AdmissionGate | None = None  # set by the composition root when configured
+        self.pd: PDForwarder | None = None  # set on a prefill/decode-disaggregated fleet
         self.affinity = affinity
         self.metrics = metrics
         self.config = config
@@ -240,6 +247,8 @@ class Relay:
         if self.inject_headers:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
+        if self.pd is not None:
+            return await self.pd.attempts(request, body, route, placement, request_id, usage, headers)
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts
@@ -256,8 +265,9 @@ class Relay:
                     trace.decided(current, decide_ns)
                     trace.upstream_start(current, headers)
                 sent = self.clock()
+                sent_body = body if current.rank is None else routed_body(body, current.rank)
                 try:
-                    upstream = await self.pool.request(request.method, url, path_qs, headers, body)
+                    upstream = await self.pool.request(request.method, url, path_qs, headers, sent_body)
                 except UpstreamConnectError as err:  # the replica never got the request
                     kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
                     current.unreachable(kind)

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 from .signals import ReplicaSignals, SignalParseError, fold_signal
 
-__all__ = ["parse_loads_json"]
+__all__ = ["parse_loads_json", "parse_rank_loads"]
 
 # /v1/loads per-rank JSON field -> ReplicaSignals field (core section).
 _LOADS_TO_FIELD = {
@@ -118,3 +118,19 @@ def parse_loads_json(obj: Any) -> ReplicaSignals:
     elif used and cap and len(used) == len(cap) and sum(cap) > 0:
         values["token_usage"] = math.fsum(used) / math.fsum(cap)
     return ReplicaSignals(**values)
+
+
+def parse_rank_loads(obj: Any) -> dict[int, ReplicaSignals]:
+    """A ``/v1/loads`` body (already decoded) per DP rank: ``{dp_rank: signals}``; an entry
+    without ``dp_rank`` takes its position. Raises :class:`SignalParseError` like
+    :func:`parse_loads_json`."""
+    entries = obj.get("loads") if isinstance(obj, Mapping) else obj
+    if not isinstance(entries, list):
+        raise SignalParseError("'loads' is not a list")
+    out: dict[int, ReplicaSignals] = {}
+    for i, entry in enumerate(entries):
+        rank = entry.get("dp_rank", i) if isinstance(entry, Mapping) else i
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise SignalParseError(f"dp_rank {rank!r} is not a rank")
+        out[rank] = parse_loads_json(entry)
+    return out

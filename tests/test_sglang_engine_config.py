@@ -124,3 +124,48 @@ def test_k8s_configmap_embeds_the_same_engine_config():
     cm = next(d for d in docs if d and d["kind"] == "ConfigMap")
     assert cm["data"]["engine.yaml"] == ENGINE.read_text()
     assert cm["data"]["launch.sh"] == LAUNCH.read_text()
+
+
+VARIANTS = {
+    name: ROOT / "deploy" / "sglang" / f"{name}.yaml"
+    for name in ("kimi-k2.6-b200-tp4-pd-prefill", "kimi-k2.6-b200-tp4-pd-decode", "kimi-k2.6-b200-tp4-dp4")
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant_configs_are_valid_sglang_arguments(sglang_args, name):
+    path = VARIANTS[name]
+    assert f"sglang=={SGLANG_VERSION}" in path.read_text()
+    config = yaml.safe_load(path.read_text())
+    assert check_config(config, sglang_args) == []
+    # what they share with the colocated config, key for key
+    base = engine_config()
+    for key in ("model-path", "quantization", "tp-size", "kv-cache-dtype", "page-size",
+                "mem-fraction-static", "chunked-prefill-size", "enable-metrics", "enable-cache-report"):
+        assert config[key] == base[key], key
+
+
+def test_pd_variants_pair_up_as_kvrouter_expects():
+    prefill = yaml.safe_load(VARIANTS["kimi-k2.6-b200-tp4-pd-prefill"].read_text())
+    decode = yaml.safe_load(VARIANTS["kimi-k2.6-b200-tp4-pd-decode"].read_text())
+    assert (prefill["disaggregation-mode"], decode["disaggregation-mode"]) == ("prefill", "decode")
+    assert prefill["disaggregation-transfer-backend"] == decode["disaggregation-transfer-backend"]
+    # kvrouter's --prefill URL without =PORT means SGLang's default, which the prefill config states
+    from kvrouter.router.config import SGLANG_BOOTSTRAP_PORT
+    assert prefill["disaggregation-bootstrap-port"] == SGLANG_BOOTSTRAP_PORT
+    assert prefill["speculative-algorithm"] == decode["speculative-algorithm"]  # both halves alike
+    assert prefill["enable-hierarchical-cache"] is True  # the prefix cache lives on the prefill side
+    assert not any(k.startswith("hicache") or k == "enable-hierarchical-cache" for k in decode)
+
+
+def test_dp_variant_matches_its_per_rank_profile():
+    from kvrouter.loadtest.derivation import kv_budget_gib
+    from kvrouter.loadtest.profiles import load_profile
+
+    config = yaml.safe_load(VARIANTS["kimi-k2.6-b200-tp4-dp4"].read_text())
+    assert config["tp-size"] == config["attn-dp-size"] == 4 and "dp-size" not in config
+    assert "speculative-algorithm" not in config  # DFLASH does not run with DP attention
+    profile = load_profile("kimi-k2.6-b200-tp4-dp4-fp8kv")  # its derivation is checked at load
+    assert profile.max_total_num_tokens == 618944 and round(kv_budget_gib(profile), 2) == 20.25
+    assert profile.max_running_requests * config["attn-dp-size"] == config["max-running-requests"]
+    assert profile.mem_fraction_static == config["mem-fraction-static"]

@@ -1,0 +1,101 @@
+"""The decode servers of a prefill/decode-disaggregated fleet: their live state and the slot one
+request holds on one of them.
+
+The prefill servers are the router's ordinary replica pool (policy, affinity, KV index). The
+decode servers get a registry of their own (health, this router's in-flight counts, polled
+signals), filled by a second signal poller, and `policies/decode_pick.py` chooses among them.
+`DecodeSlot` mirrors the outcome calls of `router/placement.Placement` that the relay makes, so
+the relay streams a decode server's answer exactly as it streams a replica's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from ..metrics.router_metrics import RouterMetrics
+from ..policies.decode_pick import pick_decode
+from .replicas import ReplicaRegistry
+
+
+class DecodeSlot:
+    """One request's attempt on one decode server; its in-flight slot is reserved on creation."""
+
+    __slots__ = ("pool", "url", "tokens", "ttfb_s", "_registration", "_held")
+
+    def __init__(self, pool: DecodePool, url: str, tokens: int) -> None:
+        self.pool, self.url, self.tokens = pool, url, tokens
+        registry = pool.registry
+        self._registration = registry.registration(url)
+        registry.dispatched(url, tokens)
+        pool.metrics.child(pool.metrics.in_flight, url).inc()
+        self._held = True
+        self.ttfb_s: float | None = None
+
+    def first_byte(self, seconds: float) -> None:
+        """The relay saw the decode server's first body byte `seconds` after sending."""
+        self.ttfb_s = seconds
+
+    def done(self) -> None:
+        """Release the slot (idempotent)."""
+        if not self._held:
+            return
+        self._held = False
+        registry, m = self.pool.registry, self.pool.metrics
+        if registry.registration(self.url) == self._registration:
+            registry.completed(self.url, self.tokens)
+            m.child(m.in_flight, self.url).dec()
+
+    def unreachable(self, kind: str) -> None:
+        """Never got the request: held against its health, and the request is retried."""
+        self.pool.registry.record_failure(self.url)
+        self._count(kind, retried=True)
+
+    def answered(self) -> None:
+        self.pool.registry.record_success(self.url)
+
+    def refused(self, status: int) -> None:
+        self._count(f"http_{status}", retried=True)
+
+    def broke(self, kind: str) -> None:
+        """Got the request, then timed out or broke off: never retried (it may still run)."""
+        self._count(kind, retried=False)
+
+    def _count(self, kind: str, *, retried: bool) -> None:
+        m = self.pool.metrics
+        m.child(m.upstream_errors, self.url, kind).inc()
+        if retried:
+            m.child(m.retries, kind).inc()
+
+
+class DecodePool:
+    def __init__(
+        self, urls: Iterable[str], metrics: RouterMetrics, rng: random.Random, failure_threshold: int = 3
+    ) -> None:
+        self.registry = ReplicaRegistry(urls, failure_threshold)
+        self.metrics = metrics
+        self.rng = rng
+
+    def set_urls(self, urls: Iterable[str]) -> list[str]:
+        """A reloaded decode list: new servers join, missing ones leave (a request on one
+        finishes; its slot is released on the old registration). Returns what changed."""
+        urls = list(urls)
+        changes = []
+        for url in urls:
+            if self.registry.add(url, fresh=False):
+                self.metrics.replica_healthy.labels(url).set(1)
+                changes.append(f"+decode {url}")
+        for url in set(self.registry.urls()) - set(urls):
+            if self.registry.remove(url):
+                self.metrics.forget_replica(url)  # every series labelled with it
+                changes.append(f"-decode {url}")
+        return changes
+
+    def place(self, exclude: frozenset[str], prompt_tokens: int) -> DecodeSlot | None:
+        """Choose a decode server (not in `exclude`) and reserve its slot; None if none is left."""
+        decision = pick_decode(self.registry.snapshot(), exclude, self.rng)
+        if decision is None:
+            return None
+        m = self.metrics
+        m.child(m.decisions, "decode", decision.reason).inc()
+        return DecodeSlot(self, decision.replica, prompt_tokens)
