@@ -199,6 +199,8 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
                 group.stop(procs)
             out.append({"kind": point.kind, "capacity_sessions": point.capacity_sessions,
                         "chars_per_token": point.chars_per_token, "capacity_tokens": capacity,
+                        "capacity_median_sessions": round(
+                            capacity * point.chars_per_token / TRACE_TOKEN_BYTES / sizes["median_peak_tokens"], 2),
                         "results": results})
     return out
 

