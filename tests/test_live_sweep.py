@@ -107,3 +107,17 @@ async def test_mini_replica_caches_prefix_pages_and_evicts_least_recent(start_ap
                 assert resp.status == 400 and "do not fit" in (await resp.json())["message"]
     finally:
         await client.close()
+
+
+def test_restarted_session_is_fresh_and_caps_pauses() -> None:
+    from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
+
+    [(_, session)] = claude_code_arrivals([TRACES / "trace_0650.json"], max_requests=12)
+    assert max(r.think_time_s for _, r in session.planned()) > 60
+    first = session.next_requests(None)
+    capped = session.restarted(max_think_s=30.0)
+    assert [r.think_time_s for _, r in capped.planned()] == [
+        min(r.think_time_s, 30.0) for _, r in session.planned()
+    ]
+    assert capped.next_requests(None)[0].segments == first[0].segments  # starts from the first request
+    assert [r.segments for _, r in capped.planned()] == [r.segments for _, r in session.planned()]
