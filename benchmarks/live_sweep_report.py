@@ -150,17 +150,29 @@ def write_chart(data: dict[str, Any], path: Path) -> bool:
     ax_hit.axhline(100 * data["trace"]["reuse_bound"], color="black", linestyle="--", linewidth=1,
                    label="reuse bound")
     ax_hit.set_ylabel("cache hit (%)")
-    ax_hit.legend(fontsize=7, ncol=3)
+    ax_hit.set_ylim(0, 100)
+    ax_hit.legend(fontsize=7, ncol=3, loc="lower left")
     ax_ttft.set_ylabel("TTFT p95 (model ms)")
     ax_ttft.set_yscale("log")
     ax_ttft.set_xticks(list(xs))
-    ax_ttft.set_xticklabels([f"{p['kind']}\n{p['capacity_sessions']:g}s\n{p['chars_per_token']:g}cpt" for p in points],
-                            fontsize=7)
-    fig.suptitle("Live sweep: replayed Claude Code sessions, 4 replicas per point")
+    ax_ttft.set_xticklabels(
+        [f"{p['kind']}\n{p.get('capacity_median_sessions', p['capacity_sessions']):g} sess\n{p['chars_per_token']:g} cpt"
+         for p in points], fontsize=7)
+    fig.suptitle(f"Live sweep: replayed Claude Code sessions, {data['replicas']} replicas per point "
+                 "(KV per replica in median sessions, chars per token)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def rewrite(results_json: Path) -> None:
+    """Re-render report.md and the chart next to a saved results.json (after a change of this file)."""
+    import orjson
+
+    data = orjson.loads(results_json.read_bytes())
+    write_outputs(data, results_json.parent)
+    results_json.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def write_outputs(data: dict[str, Any], out_dir: Path) -> None:
@@ -170,3 +182,9 @@ def write_outputs(data: dict[str, Any], out_dir: Path) -> None:
         p["verdict"] = verdict(p, data["judged"], data["peers"], bound)
     (out_dir / "report.md").write_text(render_report(data))
     write_chart(data, out_dir / "live-sweep.png")
+
+
+if __name__ == "__main__":
+    import sys
+
+    rewrite(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/live-sweep/results.json"))
