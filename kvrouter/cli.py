@@ -85,6 +85,8 @@ def _add_sim_replica(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--context-length", type=int)
+    p.add_argument("--chars-per-token", type=float, default=4.0,
+                   help="prompt bytes per token of the simulated tokenizer (default 4; e.g. 1.5 for CJK-like, 8)")
     p.add_argument("--enable-cache-report", dest="enable_cache_report", action="store_true", default=True,
                    help="usage.prompt_tokens_details.cached_tokens (default on)")
     p.add_argument("--disable-cache-report", dest="enable_cache_report", action="store_false")

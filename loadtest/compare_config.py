@@ -2,8 +2,9 @@
 
 A contender is a policy of our router or an external router given as a command template
 (``NAME=TEMPLATE``) with ``{port}``, ``{worker_urls}`` (replica URLs, space-separated),
-``{worker_url_flags}`` (``--replica URL`` per replica) and ``{python}`` (this interpreter)
-substituted (:func:`expand_template`). With more than one users level a run is named
+``{worker_url_flags}`` (``--replica URL`` per replica), ``{python}`` (this interpreter) and
+``{free_port}`` (another free port, e.g. for a router's own metrics listener) substituted
+(:func:`expand_template`). With more than one users level a run is named
 ``NAME@uN`` (:func:`contender_key`).
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .process_group import free_port
 from .report import RequestRecord
 
 __all__ = [
@@ -56,13 +58,20 @@ def parse_external(spec: str) -> Contender:
 def expand_template(template: str, port: int, worker_urls: Sequence[str]) -> list[str]:
     """The argv of an external contender. Placeholders are replaced as plain text *before*
     :func:`shlex.split`, so an unquoted ``{worker_urls}`` becomes one argument per URL and a quoted
-    one a single argument; other braces (JSON, say) are left alone."""
+    one a single argument; other braces (JSON, say) are left alone. ``{free_port}`` is a port free
+    right now other than ``port`` (a router's metrics listener must not collide with a fixed default
+    when several run on one host)."""
     values = {
         "{port}": str(port),
         "{worker_urls}": " ".join(worker_urls),
         "{worker_url_flags}": " ".join(f"--replica {u}" for u in worker_urls),
         "{python}": shlex.quote(sys.executable),
     }
+    if "{free_port}" in template:
+        spare = free_port()
+        while spare == port:
+            spare = free_port()
+        values["{free_port}"] = str(spare)
     text = template
     for key, value in values.items():
         text = text.replace(key, value)

@@ -131,7 +131,7 @@ class InferenceHandlers:
             if first:
                 await resp.write(out.chat_chunk(st, model, created, {"role": "assistant", "content": ""}))
                 first = False
-            await resp.write(out.chat_chunk(st, model, created, {"content": st.output_text[4 * last : 4 * n]}))
+            await resp.write(out.chat_chunk(st, model, created, {"content": st.output_chars(last, n)}))
             last = n
         finish, matched = out.openai_finish(st)
         await resp.write(out.chat_chunk(st, model, created, {}, finish, matched))
@@ -155,7 +155,7 @@ class InferenceHandlers:
                 resp = await out.start_stream(request)
                 last = 0
                 async for n in sim.progress(st):
-                    text = st.output_text[4 * last : 4 * n]
+                    text = st.output_chars(last, n)
                     await resp.write(out.sse(out.text_completion(st, model, created, text, None, None, None)))
                     last = n
                 finish, matched = out.openai_finish(st)
@@ -170,7 +170,7 @@ class InferenceHandlers:
             await sim.wait(st)
             finish, matched = out.openai_finish(st)
             n = out.output_tokens(st)
-            text = st.output_text[: 4 * n]
+            text = st.output_chars(0, n)
             return out.json_response(out.text_completion(st, model, created, text, finish, matched, self._usage(st, n)))
         finally:
             sim.release(st)

@@ -8,8 +8,8 @@ clock and the calls the HTTP handlers make (shapes in ``docs/sglang-fidelity.md`
   the model's ``next_event_time()`` (in wall time) or until a submit/abort wakes it, calls
   ``advance(now)`` and resolves the waiting requests. Streams poll ``progress(rid, now)`` at
   least every ``stream_interval_s`` of wall time, so tokens arrive over time.
-* text: prompts are tokenized with ``loadtest/tokenizer`` (chat messages rendered first, see
-  ``loadtest/sim_prompt.py``); the output is ``tokenizer.synthetic_text`` of the chosen
+* text: prompts are tokenized with ``loadtest/tokenizer`` at ``chars_per_token`` bytes per token
+  (default 4; chat messages rendered first, see ``loadtest/sim_prompt.py``); the output is ``tokenizer.synthetic_text`` of the chosen
   length, and the pages a request leaves in the cache are those of ``prompt + output``, so the
   next turn of a conversation (whose history carries this reply) hits them.
 * cache namespaces: served model name + ``extra_key`` / ``cache_salt`` / ``lora_path``.
@@ -85,6 +85,11 @@ class SimReq:
     rank: int = 0  # the DP rank serving it
     room: int | None = None  # PD prefill side: the bootstrap room this request serves
     transferred_cached: int | None = None  # PD decode side: the prefill side's cached tokens
+    chars_per_token: float = tokenizer.DEFAULT_CHARS_PER_TOKEN
+
+    def output_chars(self, start: int, end: int) -> str:
+        """The output text of tokens ``[start, end)``."""
+        return self.output_text[int(start * self.chars_per_token) : int(end * self.chars_per_token)]
 
     @property
     def over(self) -> bool:
@@ -116,6 +121,7 @@ class SimReplica:
         context_length: int | None = None,
         kv_events_config: str | dict[str, Any] | None = None,
         output_len_median: int = 256,
+        chars_per_token: float = tokenizer.DEFAULT_CHARS_PER_TOKEN,
         stream_interval_s: float = STREAM_INTERVAL_S,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -146,6 +152,8 @@ class SimReplica:
         self.enable_metrics = enable_metrics
         self.context_len = context_length or DEFAULT_CONTEXT_LEN
         self.output_len_median = max(1, output_len_median)
+        tokenizer.check_chars_per_token(chars_per_token)
+        self.chars_per_token = float(chars_per_token)
         self.stream_interval_s = stream_interval_s
         self.host, self.port = host, port
         self._clock = clock
@@ -365,7 +373,7 @@ class SimReplica:
         if input_ids is not None:
             prompt_len = len(input_ids)
         else:
-            prompt_len = tokenizer.count_tokens(prompt_text or "")
+            prompt_len = tokenizer.count_tokens(prompt_text or "", self.chars_per_token)
         if prompt_len < 1:
             raise SimError("The input is empty.")
         if prompt_len >= self.context_len:
@@ -394,11 +402,11 @@ class SimReplica:
         out_len, kind = self.choose_output_len(rid, cap, ignore_eos)
         if self.disagg.mode == "prefill":
             out_len, kind = 1, "length"  # the prefill forward's one token; decode runs elsewhere
-        out_text = tokenizer.synthetic_text(out_len, self._seed_for(rid) & 0x7FFFFFFF)
+        out_text = tokenizer.synthetic_text(out_len, self._seed_for(rid) & 0x7FFFFFFF, self.chars_per_token)
         if input_ids is not None:
-            all_tokens = list(input_ids) + tokenizer.encode(out_text)
+            all_tokens = list(input_ids) + tokenizer.encode(out_text, chars_per_token=self.chars_per_token)
         else:
-            all_tokens = tokenizer.encode((prompt_text or "") + out_text)
+            all_tokens = tokenizer.encode((prompt_text or "") + out_text, chars_per_token=self.chars_per_token)
         ns = namespace if namespace is not None else self.served_model_name
         keys = page_keys(all_tokens, self.profile.page_size, ns)
         if self.publisher is not None and keys:
@@ -417,6 +425,7 @@ class SimReplica:
         st = SimReq(
             rid, prompt_len, out_len, out_text, kind, now, ns, stream,
             rank=rank, room=room, transferred_cached=transferred_cached,
+            chars_per_token=self.chars_per_token,
         )
         self._reqs[rid] = st
         self._publish()

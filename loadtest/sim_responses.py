@@ -88,7 +88,7 @@ def chat_completion(st: SimReq, model: str, created: int, n: int, usage_obj: dic
                 "index": 0,
                 "message": {
                     "role": "assistant",
-                    "content": st.output_text[: 4 * n],
+                    "content": st.output_chars(0, n),
                     "reasoning_content": None,
                     "tool_calls": None,
                 },
@@ -163,7 +163,7 @@ def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:
     final = n is None
     if final:
         n = output_tokens(st)
-    text = st.output_text[: 4 * n]
+    text = st.output_chars(0, n)
     # TokenizerManager._handle_batch_output: these keys always; e2e_latency and the speculative
     # figures only once the request has a finish reason.
     meta: dict[str, Any] = {
@@ -181,7 +181,7 @@ def generate_obj(sim: SimReplica, st: SimReq, n: int | None) -> dict[str, Any]:
             meta.update(spec_meta(p, n))
         end = st.finished.time if st.finished is not None else sim.now()
         meta["e2e_latency"] = end - st.submit_time
-    return {"text": text, "output_ids": tokenizer.encode(text), "meta_info": meta}
+    return {"text": text, "output_ids": tokenizer.encode(text, chars_per_token=sim.chars_per_token), "meta_info": meta}
 
 
 def spec_meta(p: Any, completion_tokens: int) -> dict[str, Any]:

@@ -134,6 +134,7 @@ def run(args: Any) -> int:
             max_running_requests=args.max_running_requests,
             page_size=args.page_size,
             context_length=args.context_length,
+            chars_per_token=args.chars_per_token,
             kv_events_config=args.kv_events_config,
             host=args.host,
             port=args.port,

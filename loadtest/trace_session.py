@@ -17,7 +17,7 @@ tokens (out / in, ~0.1-0.5% on the Claude Code traces).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Union
 
@@ -90,6 +90,16 @@ class TraceSession:
         self.turn += 1
         self._pending = req
         return [req]
+
+    def restarted(self, max_think_s: float | None = None) -> "TraceSession":
+        """A new, unstarted session with the same steps (a replay runs every session once; the
+        same segments keep their rendered text, so a second replay does not render it again).
+        ``max_think_s`` caps every pause between requests (a user idle for half an hour, say, to
+        keep a replay short; the request order and contents are unchanged)."""
+        steps = self._steps
+        if max_think_s is not None:
+            steps = [replace(st, think_s=min(st.think_s, max_think_s)) for st in steps]
+        return TraceSession(self.session_id, steps)
 
     def reply_segment(self, req: TurnRequest, reply: ReplyLike) -> Segment:
         """The output as a segment; unique key, so it never matches a later prompt (see the module doc)."""

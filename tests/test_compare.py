@@ -121,6 +121,8 @@ def test_expand_template_placeholders() -> None:
         "sh", "-c", f'echo {urls[0]} {urls[1]} {{"a": 1}}', "9",
     ]
     assert expand_template("{python} x {port}", 1, urls)[0] == sys.executable
+    argv = expand_template("r --port {port} --prometheus-port {free_port}", 9, urls)
+    assert argv[:3] == ["r", "--port", "9"] and argv[3] == "--prometheus-port" and int(argv[4]) not in (0, 9)
 
 
 @pytest.mark.parametrize("spec", ["noequals", "=cmd {port}", "name=", "a@b=cmd {port}", "n=cmd without port"])

@@ -542,3 +542,19 @@ def test_the_scheduler_estimate_comes_from_the_clients_max_new_tokens():
     missing = sim.submit(input_ids=prompt, max_new_tokens=None)
     assert sim.model._reqs[given.rid].max_new == 50
     assert sim.model._reqs[missing.rid].max_new == 8192 - len(prompt)
+
+
+@pytest.mark.parametrize("ratio", [1.5, 8.0])
+async def test_chars_per_token_scales_prompt_and_output_tokens(start_sim, ratio):
+    _, url = await start_sim(chars_per_token=ratio)
+    client = _client(url)
+    prompt = "x" * 1200
+    try:
+        r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=20, extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens == round(1200 / ratio)
+        assert r.usage.completion_tokens == 20 and len(r.choices[0].text) == int(20 * ratio)
+    finally:
+        await client.close()
+    args = build_parser().parse_args(["sim-replica", "--port", "1", "--chars-per-token", str(ratio)])
+    assert args.chars_per_token == ratio
+    assert build_parser().parse_args(["sim-replica", "--port", "1"]).chars_per_token == 4.0

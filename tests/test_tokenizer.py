@@ -1,5 +1,7 @@
 import time
 
+import pytest
+
 from kvrouter.loadtest.tokenizer import KIMI_VOCAB_SIZE, count_tokens, encode, synthetic_text
 
 
@@ -43,3 +45,18 @@ def test_encode_400k_chars_benchmark_reports_without_asserting_time():
     elapsed = time.perf_counter() - t0
     assert len(ids) == 100_000
     print(f"encode 400k chars: {elapsed * 1e3:.1f} ms")
+
+
+def test_chars_per_token_sets_the_ratio_and_keeps_prefixes():
+    text = synthetic_text(3000, seed=5)  # 12,000 ASCII chars
+    for ratio, expected in ((1.5, 8000), (4, 3000), (8, 1500), (2.5, 4800)):
+        ids = encode(text, chars_per_token=ratio)
+        assert len(ids) == count_tokens(text, ratio) == expected
+        # prefix stable at any ratio: only the last, partial token of a cut text may differ
+        head = encode(text[:5001], chars_per_token=ratio)
+        assert ids[: len(head) - 1] == head[:-1]
+        sized = synthetic_text(777, seed=3, chars_per_token=ratio)
+        assert len(encode(sized, chars_per_token=ratio)) == 777
+    assert encode(text) == encode(text, chars_per_token=4.0)  # the default is unchanged
+    with pytest.raises(ValueError):
+        count_tokens(text, 0.5)

@@ -1,0 +1,252 @@
+"""Live sweep: real Claude Code sessions replayed through real routers in front of live replicas.
+
+For every point of (replica kind x KV capacity x chars per token), this starts ``--replicas``
+fresh replica processes, then runs every contender in turn on them, side by side in the same run:
+caches flushed, the contender started, the same trace sessions replayed through it
+(:func:`kvrouter.loadtest.driver.run_load` with ``arrivals``), the contender stopped.
+
+- Replica kinds: ``sim`` is ``kvrouter sim-replica`` (the project's SGLang model, ``--profile``
+  with ``max_total_num_tokens`` set to the point's capacity); ``mini`` is
+  ``benchmarks/mini_replica.py``, a deliberately different engine (plain LRU of pages, FCFS, its
+  own timing), so a result does not rest on the project's own simulator.
+- Capacities are given in sessions (``--capacities 4,2,0.7``): the median peak context of the
+  replayed top-level sessions (prompt + output, trace tokens) times the factor, at least the largest
+  request plus room for its output, then converted to the replica's tokens at the point's ratio
+  (trace text is 4 bytes per trace token; a replica at ``X`` chars per token counts ``4 / X`` times
+  as many tokens), so "room for two sessions" means the same at every ratio.
+- Contenders: kvrouter policies (``--policies``) and external routers (``--external
+  'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
+  ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
+- Metrics per contender and point: the replicas' reported cache-hit rate (cached / prompt tokens
+  from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests; per point the trace's
+  infinite-cache reuse bound; the verdict against the target is
+  :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
+
+Run (the command of docs/live-sweep): see docs/live-sweep/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from live_sweep_report import write_outputs  # noqa: E402
+from portable import portable_command  # noqa: E402
+
+from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
+from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external  # noqa: E402
+from kvrouter.loadtest.driver import run_load  # noqa: E402
+from kvrouter.loadtest.process_group import ProcessGroup, RunningProcess, free_port, wait_ready  # noqa: E402
+from kvrouter.loadtest.trace_claude_code import claude_code_arrivals  # noqa: E402
+from kvrouter.loadtest.trace_session import Arrivals  # noqa: E402
+from kvrouter.loadtest.trace_stats import reuse_bound, trace_summary  # noqa: E402
+
+TRACE_TOKEN_BYTES = 4  # the replayed text renders every trace token as 4 ASCII bytes
+TRACE_PAGE_TOKENS = 64  # the traces' block size: the reuse bound's page
+OUTPUT_ROOM_TOKENS = 2048  # a capacity must hold the largest request plus this (outputs are ~200 tokens)
+CONTEXT_LENGTH = 4_000_000  # replicas accept any replayed prompt at any ratio
+MINI = ROOT / "benchmarks" / "mini_replica.py"
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str  # "sim" | "mini"
+    capacity_sessions: float
+    chars_per_token: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} cap={self.capacity_sessions:g}s cpt={self.chars_per_token:g}"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Live sweep of routers over replayed Claude Code sessions")
+    p.add_argument("--traces", nargs="+", default=[str(ROOT / "benchmarks" / "traces")],
+                   help="kv-cache-tester trace files or folders (default benchmarks/traces)")
+    p.add_argument("--max-requests", type=int, default=12, help="first requests replayed per session")
+    p.add_argument("--limit", type=int, help="top-level sessions replayed at most")
+    p.add_argument("--stagger", type=float, default=5.0, help="model seconds between session starts")
+    p.add_argument("--max-think", type=float, default=30.0,
+                   help="model seconds a pause between two requests of a session lasts at most")
+    p.add_argument("--max-context", type=int, default=100_000, help="drop trace requests longer than this")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kinds", default="sim,mini", help="replica kinds: sim, mini")
+    p.add_argument("--capacities", type=_floats, default=[4.0, 2.5, 1.0],
+                   help="KV per replica, in median sessions (at least the largest request)")
+    p.add_argument("--chars-per-token", type=_floats, default=[1.5, 4.0, 8.0])
+    p.add_argument("--profile", default="kimi-k2.6-b200-tp4", help="sim replica profile")
+    p.add_argument("--policies", default="coding-agent,prefix_aware,consistent_hash",
+                   help="kvrouter policies (the first is the one judged)")
+    p.add_argument("--external", action="append", default=[], metavar="'NAME=COMMAND TEMPLATE'")
+    p.add_argument("--time-scale", type=float, default=16.0, help="model seconds per wall second")
+    p.add_argument("--run-timeout", type=float, default=300.0, help="wall seconds one replay may take")
+    p.add_argument("--out-dir", default="live-sweep")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not set(args.kinds) <= {"sim", "mini"}:
+        p.error("--kinds: sim and/or mini")
+    args.policies = [x for x in args.policies.split(",") if x]
+    try:
+        args.externals = [parse_external(e) for e in args.external]
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def load_trace(args: argparse.Namespace) -> Arrivals:
+    arrivals = claude_code_arrivals(
+        [Path(t) for t in args.traces], stagger_s=args.stagger, limit=args.limit,
+        max_requests=args.max_requests, max_context_tokens=args.max_context,
+    )
+    return [(at, s.restarted(args.max_think)) for at, s in arrivals]
+
+
+def session_sizes(arrivals: Arrivals) -> dict[str, float]:
+    """Peak context (prompt + output, trace tokens) of the top-level sessions, and the largest request."""
+    peaks, largest = [], 0
+    for _, s in arrivals:
+        sizes = [r.prompt_tokens + r.max_tokens for _, r in s.planned()]
+        largest = max(largest, *sizes)
+        if "/" not in s.session_id:  # sub-agents are not sessions of their own
+            peaks.append(max(sizes))
+    return {"median_peak_tokens": statistics.median(peaks), "largest_request_tokens": largest}
+
+
+def capacity_tokens(sizes: dict[str, float], sessions: float, chars_per_token: float) -> int:
+    trace_tokens = max(sessions * sizes["median_peak_tokens"], sizes["largest_request_tokens"] + OUTPUT_ROOM_TOKENS)
+    return int(trace_tokens * TRACE_TOKEN_BYTES / chars_per_token)
+
+
+def replica_argv(point: Point, port: int, capacity: int, args: argparse.Namespace, tmp: Path, i: int) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port), "--time-scale", f"{args.time_scale:g}",
+              "--chars-per-token", f"{point.chars_per_token:g}"]
+    if point.kind == "mini":
+        return [sys.executable, str(MINI), *common, "--max-total-tokens", str(capacity)]
+    profile = tmp / f"profile-{capacity}.yaml"
+    # gpu_free_gib: null turns off the memory derivation check: the capacity is the point's, not the GPU's
+    profile.write_text(yaml.safe_dump({"base": args.profile, "max_total_num_tokens": capacity, "gpu_free_gib": None,
+                                       "description": f"{args.profile} with {capacity} KV tokens"}))
+    return [sys.executable, "-m", "kvrouter.cli", "sim-replica", *common, "--profile", str(profile),
+            "--context-length", str(CONTEXT_LENGTH), "--seed", str(args.seed + i)]
+
+
+async def start_replicas(point: Point, capacity: int, args: argparse.Namespace, group: ProcessGroup,
+                         http: aiohttp.ClientSession, tmp: Path) -> tuple[list[RunningProcess], list[str]]:
+    procs, urls = [], []
+    for i in range(args.replicas):
+        port = free_port()
+        procs.append(group.start(f"{point.kind}-replica{i}", replica_argv(point, port, capacity, args, tmp, i)))
+        urls.append(f"http://127.0.0.1:{port}")
+    await asyncio.gather(*(wait_ready(http, p, u, "/health", 60.0, lambda s: s == 200) for p, u in zip(procs, urls)))
+    return procs, urls
+
+
+async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
+                        group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str) -> dict[str, Any]:
+    await asyncio.gather(*(_flush(http, u) for u in urls))
+    cfg = CompareConfig(replicas=len(urls), ready_timeout_s=60.0)
+    proc, base = await _start_contender(c, urls, cfg, group, http, tmp)
+    try:
+        t0 = time.monotonic()
+        report = await run_load(
+            base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
+            replica_metrics_urls=urls, progress=lambda line: None, contender=c.name,
+            drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
+        )
+        wall = time.monotonic() - t0
+    finally:
+        group.stop([proc])
+    result = report["results"][c.name]
+    print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
+          f"failed {result['requests_failed']}, {wall:.0f} s", file=sys.stderr, flush=True)
+    return {**result, "wall_s": round(wall, 1)}
+
+
+async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
+                group: ProcessGroup, tmp: Path) -> list[dict[str, Any]]:
+    contenders = [Contender(name=p, policy=p) for p in args.policies] + args.externals
+    points = [Point(k, cap, cpt) for k in args.kinds for cap in args.capacities for cpt in args.chars_per_token]
+    out = []
+    async with aiohttp.ClientSession() as http:
+        for n, point in enumerate(points, 1):
+            capacity = capacity_tokens(sizes, point.capacity_sessions, point.chars_per_token)
+            label = f"[{n}/{len(points)}] {point.label}"
+            procs, urls = await start_replicas(point, capacity, args, group, http, tmp)
+            try:
+                results = {}
+                for c in contenders:
+                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label)
+            finally:
+                group.stop(procs)
+            out.append({"kind": point.kind, "capacity_sessions": point.capacity_sessions,
+                        "chars_per_token": point.chars_per_token, "capacity_tokens": capacity,
+                        "capacity_median_sessions": round(
+                            capacity * point.chars_per_token / TRACE_TOKEN_BYTES / sizes["median_peak_tokens"], 2),
+                        "results": results})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    arrivals = load_trace(args)
+    if not arrivals:
+        raise SystemExit("no sessions in the given traces")
+    sizes = session_sizes(arrivals)
+    bound = reuse_bound(arrivals, TRACE_PAGE_TOKENS)
+    with tempfile.TemporaryDirectory(prefix="kvrouter-live-sweep-") as tmpdir:
+        group = ProcessGroup(Path(tmpdir))
+        try:
+            points = asyncio.run(sweep(args, arrivals, sizes, group, Path(tmpdir)))
+        finally:
+            group.close()
+    data = {
+        "schema": 1,
+        "command": portable_command(["python", *sys.argv] if argv is None else ["python", "benchmarks/live_sweep.py", *argv]),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "judged": args.policies[0],
+        "peers": [c.name for c in args.externals],
+        "baselines": args.policies[1:],
+        "replicas": args.replicas,
+        "time_scale": args.time_scale,
+        "trace": {
+            "files": sorted({Path(t).name for t in args.traces}),
+            "max_requests_per_session": args.max_requests,
+            "stagger_s": args.stagger,
+            "max_think_s": args.max_think,
+            "max_context_tokens": args.max_context,
+            **trace_summary(arrivals),
+            **sizes,
+            "reuse_bound": round(bound, 4),
+        },
+        "points": points,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_outputs(data, out_dir)
+    (out_dir / "results.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+    print(f"live sweep done in {data['wall_s']:.0f} s: {out_dir}/report.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
