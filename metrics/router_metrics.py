@@ -159,6 +159,14 @@ class RouterMetrics:
             "1 while the shared affinity store is unreachable and routing runs on local state.",
             registry=r,
         )
+        self.index_share = Counter(
+            "kvrouter_index_share_total",
+            "Shared shadow-index records (affinity.share_prefix_index), by event: published, "
+            "received (another router's, applied), dropped (not sent: pending cap or a failed "
+            "publish), and publish_errors, subscribe_errors, bad_messages.",
+            ["event"],
+            registry=r,
+        )
         self.sessions = Gauge("kvrouter_sessions", "Sessions in the local session table.", registry=r)
         self.sessions_evicted = Counter(
             "kvrouter_sessions_evicted_total",

@@ -269,6 +269,13 @@ class AffinityConfig(_Strict):
         "call). Every router sharing key_prefix must use the same value.",
     )
 
+    share_prefix_index: bool = Field(
+        True, description="With store: redis and the shadow index: every router publishes the "
+        "prefix blocks each accepted request put on a replica (Redis pub/sub) and records the "
+        "others', so each router's index sees all routers' traffic (serve --workers N, several "
+        "pods); requests without a session key then find their prefix whichever router they reach.",
+    )
+
     @field_validator("key_prefix")
     @classmethod
     def _no_hash_tag(cls, value: str) -> str:

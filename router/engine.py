@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..metrics.router_metrics import RouterMetrics
@@ -58,6 +59,9 @@ class RoutingEngine:
         table.on_home_change = self.sync_homed  # replica views carry their homed totals
         self.rng = rng
         self.fresh_since: dict[str, float] = {}
+        # Told of every record an accepted request makes in the index (router/kv_index_share.py
+        # publishes them to the other routers); None: nobody to tell.
+        self.on_record: Callable[[str, tuple[int, ...]], None] | None = None
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""

@@ -238,6 +238,8 @@ class Placement:
         summary, url = self.summary, self.url
         if summary.prefix_blocks:
             self.engine.index.record(url, summary.prefix_blocks)
+            if self.engine.on_record is not None:
+                self.engine.on_record(url, summary.prefix_blocks)
         m = self.engine.metrics
         if m is not None and summary.prompt_tokens:
             m.prompt_tokens.inc(summary.prompt_tokens)

@@ -1,0 +1,106 @@
+"""The shadow index shared between routers on one Redis (router/kv_index_share.py): a request
+without a session key finds its prefix whichever router it reaches."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+
+import aiohttp
+import msgpack
+
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
+from kvrouter.router.kv_index_share import IndexShare, share_channel
+from kvrouter.router.supervise import spawn
+
+from .fakes import FakeUpstream
+
+BLOCKS = (11, 12, 13, 14)
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _share(url: str, known: Callable[[str], bool] = lambda r: True) -> IndexShare:
+    return IndexShare(ShadowKVIndex(block_tokens=64), url, share_channel("share-test:", 256), known=known)
+
+
+async def test_a_record_reaches_the_other_routers_index_and_not_its_own(redis_server):
+    a, b = _share(redis_server.url), _share(redis_server.url, known=lambda r: r != "http://gone")
+    for s in (a, b):
+        s.start(spawn)
+    try:
+        await asyncio.wait_for(asyncio.gather(a.subscribed.wait(), b.subscribed.wait()), 10)
+        a.recorded("http://gone", BLOCKS)  # a replica b does not know: ignored there
+        a.recorded("http://r1", BLOCKS)
+        await _until(lambda: b.index.match(BLOCKS) == {"http://r1": 4 * 64}, "b to learn a's record")
+        b.recorded("http://r2", BLOCKS[:2])
+        await _until(lambda: a.index.match(BLOCKS[:2]) != {}, "a to learn b's record")
+        # a's own message came back to it first (pub/sub echoes to every subscriber): skipped.
+        assert a.index.match(BLOCKS) == {"http://r2": 2 * 64}
+        assert b.index.match(BLOCKS) == {"http://r1": 4 * 64}  # and b's own record is not in b
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_bad_messages_are_ignored():
+    share = _share("redis://127.0.0.1:9/0")
+    for payload in (b"\xc1", msgpack.packb({"not": "a list"}), msgpack.packb([b"x", "r1"]),
+                    msgpack.packb([b"x", "r1", b"odd"])):  # 3 bytes: not a whole 8-byte block
+        assert share.apply(payload) == 0
+    assert share.index.match(BLOCKS) == {}
+
+
+def test_pending_records_are_bounded():
+    share = _share("redis://127.0.0.1:9/0")
+    share.max_pending = 2
+    for _ in range(5):
+        share.recorded("r1", BLOCKS)
+    assert len(share._pending) == 2
+
+
+async def test_keyless_conversations_stay_on_one_replica_across_two_routers(start_app, start_router, redis_server):
+    """Turns of conversations without a session key, alternating between two routers on one
+    Redis: each turn must find the replica that holds its conversation, though the router it
+    reaches never saw the previous turn."""
+    replicas = [await start_app(FakeUpstream(name=f"r{i}").app()) for i in range(4)]
+    settings = dict(signals={"source": "health", "interval_s": 60}, server={"replica_header": True},
+                    affinity={"store": "redis", "redis_url": redis_server.url, "key_prefix": "share-live:"})
+    routers = [await start_router(replicas, **settings) for _ in range(2)]
+    for router, _ in routers:
+        assert router.index_share is not None
+        await asyncio.wait_for(router.index_share.subscribed.wait(), 10)
+
+    def received(router) -> float:
+        return router.metrics.registry.get_sample_value("kvrouter_index_share_total", {"event": "received"}) or 0
+
+    conversations = {f"c{k}": [{"role": "user", "content": f"conversation {k}: " + "context " * 300}]
+                     for k in range(8)}
+    served: dict[str, set[str]] = {c: set() for c in conversations}
+    sent = [0, 0]  # requests each router served
+    async with aiohttp.ClientSession() as client:
+        for turn in range(4):
+            for name, messages in conversations.items():
+                i = (turn + int(name[1:])) % 2
+                router, url = routers[i]
+                other = routers[1 - i][0]
+                before = received(other)
+                async with client.post(url + "/v1/chat/completions",
+                                       json={"model": "m", "messages": messages}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    reply = (await resp.json())["choices"][0]["message"]["content"]
+                    served[name].add(resp.headers["x-kvrouter-replica"])
+                sent[i] += 1
+                # The other router has this turn's record before the conversation's next turn.
+                await _until(lambda: received(other) > before, "the other router to learn the turn")
+                messages += [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": f"turn {turn} of {name}"}]
+    assert all(len(r) == 1 for r in served.values()), served
+    assert len(set().union(*served.values())) > 1, "conversations spread over replicas"
+    assert min(sent) > 0
