@@ -104,3 +104,21 @@ async def test_keyless_conversations_stay_on_one_replica_across_two_routers(star
     assert all(len(r) == 1 for r in served.values()), served
     assert len(set().union(*served.values())) > 1, "conversations spread over replicas"
     assert min(sent) > 0
+
+
+async def test_an_unreachable_redis_costs_requests_nothing(start_app, start_router, closed_port_url):
+    """Publishing fails in the background (counted, the batch dropped); requests are served."""
+    replica = await start_app(FakeUpstream().app())
+    redis_url = closed_port_url.replace("http://", "redis://") + "/0"
+    router, url = await start_router([replica], signals={"source": "health", "interval_s": 60},
+                                     affinity={"store": "redis", "redis_url": redis_url})
+    value = router.metrics.registry.get_sample_value
+    prompt = {"model": "m", "messages": [{"role": "user", "content": "long context " * 100}]}
+    async with aiohttp.ClientSession() as client:
+        for _ in range(3):
+            async with client.post(url + "/v1/chat/completions", json=prompt) as resp:
+                assert resp.status == 200, await resp.text()
+    await _until(lambda: (value("kvrouter_index_share_total", {"event": "dropped"}) or 0) >= 3,
+                 "the failed publishes to be counted")
+    assert value("kvrouter_index_share_total", {"event": "publish_errors"}) >= 1
+    assert router.index_share is not None and not router.index_share.subscribed.is_set()
