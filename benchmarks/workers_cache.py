@@ -13,8 +13,8 @@ the number of router processes and the index sharing differ:
 - `one-process`: one `kvrouter serve`;
 - `workers-2`: `kvrouter serve --workers 2` (SO_REUSEPORT: the kernel spreads the driver's
   connections over both, so a session's turns land on either);
-- `workers-2-unshared`: the same with `affinity.share_prefix_index: false`, each worker's index
-  learning only from its own requests (the behaviour before the index was shared);
+- `workers-2-unshared`: the same with `affinity.share_routing_state: false`, each worker's index
+  and session table learning only from its own requests (the behaviour before they were shared);
 - `two-routers`: two `kvrouter serve` processes on two ports sharing the Redis, the driver
   sending requests round robin over them (a load balancer in front of two pods).
 """
@@ -92,7 +92,7 @@ class Bench:
             "policy": {"name": "coding-agent", "params": {}},
             # A key prefix per run: no session home or shared record outlives its run.
             "affinity": {"store": "redis", "redis_url": self.redis_url,
-                         "key_prefix": f"bench{self.runs}:", "share_prefix_index": share},
+                         "key_prefix": f"bench{self.runs}:", "share_routing_state": share},
         }))
         return path
 

@@ -159,11 +159,12 @@ class RouterMetrics:
             "1 while the shared affinity store is unreachable and routing runs on local state.",
             registry=r,
         )
-        self.index_share = Counter(
-            "kvrouter_index_share_total",
-            "Shared shadow-index records (affinity.share_prefix_index), by event: published, "
-            "received (another router's, applied), dropped (not sent: pending cap or a failed "
-            "publish), and publish_errors, subscribe_errors, bad_messages.",
+        self.peer_share = Counter(
+            "kvrouter_peer_share_total",
+            "Routing state shared with the other routers on the Redis (affinity.share_routing_state): "
+            "index and session-home records published, received (another router's, applied), "
+            "dropped (not sent: pending cap or a failed publish); publish_errors, subscribe_errors, "
+            "bad_messages.",
             ["event"],
             registry=r,
         )

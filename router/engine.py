@@ -59,9 +59,11 @@ class RoutingEngine:
         table.on_home_change = self.sync_homed  # replica views carry their homed totals
         self.rng = rng
         self.fresh_since: dict[str, float] = {}
-        # Told of every record an accepted request makes in the index (router/kv_index_share.py
-        # publishes them to the other routers); None: nobody to tell.
+        # Told of every record an accepted request makes in the index, and of every session home
+        # (and context size) the affinity store holds after a request's claim: router/peer_share.py
+        # publishes them to the other routers. None: nobody to tell.
         self.on_record: Callable[[str, tuple[int, ...]], None] | None = None
+        self.on_home: Callable[[str, str, int | None], None] | None = None
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""

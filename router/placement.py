@@ -168,6 +168,8 @@ class Placement:
         self._claim_pending = False
         self._began = True
         self._claimed_home = stored
+        if self.engine.on_home is not None and stored is not None:
+            self.engine.on_home(claim.key, stored, None if isinstance(claim, HomeMove) else claim.tokens)
         if isinstance(claim, HomeMove):
             return
         if (self.decision.home is not None and stored not in (None, self.url)
