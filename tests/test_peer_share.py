@@ -156,3 +156,17 @@ async def test_each_router_knows_the_sessions_homed_through_the_other(start_app,
                 assert resp.status == 200, await resp.text()
     assert sum(n for n, _ in homed(a).values()) == 6
     await _until(lambda: homed(b) == homed(a), "b's homed totals to equal a's")
+
+
+async def test_closing_while_publishing_returns_promptly(redis_server):
+    """A router shutting down cancels a PUBLISH that may be on the wire: close() must not hang
+    on it (it did, now and then, with redis-py's client)."""
+    for round_ in range(12):
+        share = _share(redis_server.url)
+        share.start(spawn)
+        await asyncio.wait_for(share.subscribed.wait(), 10)
+        for k in range(round_ * 5):
+            share.recorded("http://r1", range(500))
+            share.homed("s1", "http://r1", k)
+            await asyncio.sleep(0.001 * (k % 3))
+        await asyncio.wait_for(share.close(), 5)
