@@ -7,7 +7,8 @@ sessions back to back), from Poisson arrivals at ``arrival_rate`` sessions per m
 from a trace's ``arrivals`` (each session starts at its own time).
 
 Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_options:
-{"include_usage": true}`` and the header ``x-session-id``. Measured per request: the
+{"include_usage": true}`` and the header ``x-session-id``
+(unless ``session_header=False``). Measured per request: the
 ``x-kvrouter-replica`` response header if any, and from the stream
 (:mod:`kvrouter.loadtest.chat_stream`) TTFT, mean inter-token latency, e2e and usage.
 A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
@@ -66,15 +67,18 @@ class _Run:
     def __init__(
         self,
         http: aiohttp.ClientSession,
-        url: str,
+        urls: Sequence[str],
         config: WorkloadConfig,
         seed: int,
         time_scale: float,
         model: str,
         extra_body: Mapping[str, Any] | None,
+        session_header: bool = True,
     ) -> None:
         self.http = http
-        self.url = url
+        self.urls = list(urls)  # requests go round robin over them (several routers, one fleet)
+        self.sent = 0
+        self.session_header = session_header
         self.config = config
         self.seed = seed
         self.time_scale = time_scale
@@ -196,13 +200,14 @@ class _Run:
             "stream_options": {"include_usage": True},
             **self.extra_body,
         }
+        headers = {"content-type": "application/json"}
+        if self.session_header:
+            headers[SESSION_HEADER] = req.session_id
+        url = self.urls[self.sent % len(self.urls)]
+        self.sent += 1
         self.in_flight += 1
         try:
-            async with self.http.post(
-                self.url,
-                data=orjson.dumps(body),
-                headers={"content-type": "application/json", SESSION_HEADER: req.session_id},
-            ) as resp:
+            async with self.http.post(url, data=orjson.dumps(body), headers=headers) as resp:
                 rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status != 200:
                     text = await resp.text(errors="replace")
@@ -243,7 +248,7 @@ def _progress_line(run: _Run, duration_s: float) -> str:
 
 
 async def run_load(
-    target_url: str,
+    target_url: str | Sequence[str],
     workload: WorkloadConfig | str | Path,
     users: int | None,
     duration_s: float,
@@ -266,6 +271,7 @@ async def run_load(
     warmup_s: float = 0.0,
     arrivals: Sequence[tuple[float, Any]] | None = None,
     headers: Mapping[str, str] | None = None,
+    session_header: bool = True,
 ) -> dict[str, Any]:
     """Drive ``target_url`` for ``duration_s`` wall seconds and return the results contract.
 
@@ -284,6 +290,8 @@ async def run_load(
     ``arrivals`` (trace replay, e.g. :func:`kvrouter.loadtest.traces.trace_sessions`) replaces both
     ``users`` and ``arrival_rate``: each ``(start model s, session)`` starts at its time.
     ``headers`` go with every request (an API key, a priority class, an SLO).
+    Several ``target_url`` (routers in front of one fleet) take requests round robin.
+    ``session_header=False`` leaves the session header out: routers see keyless requests.
     """
     if arrivals is not None:
         if users is not None or arrival_rate is not None:
@@ -303,13 +311,16 @@ async def run_load(
     if progress is None:
         progress = StderrProgress()
 
-    url = target_url.rstrip("/") + "/v1/chat/completions"
+    targets = [target_url] if isinstance(target_url, str) else list(target_url)
+    if not targets:
+        raise ValueError("give at least one target_url")
+    urls = [t.rstrip("/") + "/v1/chat/completions" for t in targets]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     samples: list[list[float]] = []
     sample_times: list[float] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
-        run = _Run(http, url, config, seed, time_scale, model, extra_body)
+        run = _Run(http, urls, config, seed, time_scale, model, extra_body, session_header)
         run.deadline = run.start + duration_s
         stop = asyncio.Event()
         background = [asyncio.create_task(_report_progress(run, progress, duration_s, stop))]
@@ -373,6 +384,7 @@ async def run_load(
         "ramp_s": ramp_s,
         "warm_start": warm_start,
         "warmup_s": warmup_s,
+        **({} if session_header else {"session_header": False}),
         **({"trace_sessions": len(arrivals)} if arrivals is not None else {}),
     }
     return build_report(workload_info, {contender: results})

@@ -166,6 +166,15 @@ class RouterMetrics:
             "1 while the shared affinity store is unreachable and routing runs on local state.",
             registry=r,
         )
+        self.peer_share = Counter(
+            "kvrouter_peer_share_total",
+            "Routing state shared with the other routers on the Redis (affinity.share_routing_state): "
+            "index and session-home records published, received (another router's, applied), "
+            "dropped (not sent: pending cap or a failed publish); publish_errors, subscribe_errors, "
+            "bad_messages.",
+            ["event"],
+            registry=r,
+        )
         self.sessions = Gauge("kvrouter_sessions", "Sessions in the local session table.", registry=r)
         self.sessions_evicted = Counter(
             "kvrouter_sessions_evicted_total",

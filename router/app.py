@@ -36,6 +36,7 @@ from .kv_index_exact import ExactKVIndex, request_blocks
 from .kv_events_subscriber import KVEventSubscriber
 from .kv_index import KVIndex
 from .kv_index_shadow import ShadowKVIndex
+from .peer_share import PeerShare, share_channel
 from .learning import UsageLearner
 from .membership import Membership
 from .middlewares import INFERENCE_ROUTES, auth_middleware, errors_middleware
@@ -114,6 +115,7 @@ class Router:
                                      forget_connections=lambda url: self.relay.pool.forget_replica(url),
                                      kv_events=self.kv_events)
         self.affinity = self._make_affinity_store()
+        self.peer_share = self._make_peer_share()
         self.api_keys = load_api_keys(config.auth)
         self.key_limiter = KeyLimiter(config.auth.max_concurrent_per_key)
         inject: dict[str, str] = {}
@@ -212,12 +214,32 @@ class Router:
                 raise ConfigError(f"observability.otel_endpoint: {err}") from None
             log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but %s; running without tracing", err)
             return None
+
     def _reload_disaggregation(self, pd: DisaggregationConfig) -> list[str]:
         """SIGHUP or the admin reload on a PD fleet: the decode list and the prefill servers'
         bootstrap ports (the prefill list itself is the replica list)."""
         assert self.decode_pool is not None and self.relay.pd is not None
         self.relay.pd.config = pd
         return self.decode_pool.set_urls(pd.decode)
+
+    def _make_peer_share(self) -> PeerShare | None:
+        """Share the shadow index and the session table with the other routers on the affinity
+        store's Redis, if asked."""
+        a = self.config.affinity
+        if a.store != "redis" or not a.share_routing_state:
+            return None
+        # The exact index follows the replicas' own KV events in every router: nothing to share.
+        index = self.index if isinstance(self.index, ShadowKVIndex) else None
+        share = PeerShare(
+            a.redis_url, share_channel(a.key_prefix, self.config.routing.block_chars),
+            index=index, table=self.table, known=self.registry.__contains__, clock=self.clock,
+            op_timeout_s=a.op_timeout_s, metrics=self.metrics,
+            password=os.environ.get(a.password_env) if a.password_env else None,
+        )
+        if index is not None:
+            self.engine.on_record = share.recorded
+        self.engine.on_home = share.homed
+        return share
 
     def _on_signals(self, url: str, signals: ReplicaSignals) -> None:
         if signals.max_total_num_tokens:
@@ -269,7 +291,11 @@ class Router:
             tasks.append(spawn("decode-poller", lambda: decode_poller.run(session), metrics=self.metrics))
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
+        if self.peer_share is not None:
+            self.peer_share.start(functools.partial(spawn, metrics=self.metrics))
         yield
+        if self.peer_share is not None:
+            await self.peer_share.close()
         if self.kv_events is not None:
             await self.kv_events.close()
         for task in tasks:

@@ -295,6 +295,15 @@ class AffinityConfig(_Strict):
         "call). Every router sharing key_prefix must use the same value.",
     )
 
+    share_routing_state: bool = Field(
+        True, description="With store: redis: every router publishes (Redis pub/sub) the prefix "
+        "blocks each accepted request put on a replica (shadow index only) and each session's home "
+        "and context size, and applies the others', so each router's index and session table see "
+        "all routers' traffic (serve --workers N, several pods): requests without a session key "
+        "find their prefix whichever router they reach, and new sessions are placed against all "
+        "the KV already homed.",
+    )
+
     @field_validator("key_prefix")
     @classmethod
     def _no_hash_tag(cls, value: str) -> str:

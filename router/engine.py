@@ -76,6 +76,11 @@ class RoutingEngine:
         # Called with (predicted, observed) TTFT of a streamed request admission control
         # predicted; None: nobody listens.
         self.on_first_byte: Callable[[float, float], None] | None = None
+        # Told of every record an accepted request makes in the index, and of every session home
+        # (and context size) the affinity store holds after a request's claim: router/peer_share.py
+        # publishes them to the other routers. None: nobody to tell.
+        self.on_record: Callable[[str, tuple[int, ...]], None] | None = None
+        self.on_home: Callable[[str, str, int | None], None] | None = None
 
     def sync_homed(self, replica: str) -> None:
         """SessionTable callback: keep the replica's homed totals in its view."""

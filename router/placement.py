@@ -200,6 +200,8 @@ class Placement:
         self._claim_pending = False
         self._began = True
         self._claimed_home = stored
+        if self.engine.on_home is not None and stored is not None:
+            self.engine.on_home(claim.key, stored, None if isinstance(claim, HomeMove) else claim.tokens)
         if isinstance(claim, HomeMove):
             return
         if (self.decision.home is not None and stored not in (None, self.url)
@@ -279,6 +281,8 @@ class Placement:
         summary, url = self.summary, self.url
         if summary.prefix_blocks:
             self.engine.index.record(url, summary.prefix_blocks)
+            if self.engine.on_record is not None:
+                self.engine.on_record(url, summary.prefix_blocks)
         if self.engine.ranks is not None and self.rank is not None:
             self.engine.ranks.served(url, self.rank, summary.prefix_blocks)
         m = self.engine.metrics

@@ -175,9 +175,10 @@ def run_workers(
     config: RouterConfig, workers: int, reader: Callable[[], RouterConfig] | None = None
 ) -> int:
     """N worker processes on one port (SO_REUSEPORT); session homes and per-session in-flight
-    counts are shared through Redis. The parent forwards SIGTERM/SIGINT (graceful stop) and
-    SIGHUP (reload) to every worker; if one worker dies, the others are stopped too, so a
-    supervisor sees the failure. Returns the exit status."""
+    counts are shared through Redis, and so is what each worker learns from its traffic (shadow
+    index records, homed sessions: router/peer_share.py). The parent forwards SIGTERM/SIGINT
+    (graceful stop) and SIGHUP (reload) to every worker; if one worker dies, the others are
+    stopped too, so a supervisor sees the failure. Returns the exit status."""
     check_workers(config, workers)
     holder = None
     if config.server.port == 0:  # pick one port for all workers; hold it until they are done

@@ -158,6 +158,21 @@ async def test_run_load_reports_the_contract(serve: Any) -> None:
     )
 
 
+async def test_several_targets_round_robin_and_no_session_header(serve: Any) -> None:
+    """Two routers in front of one fleet take the requests in turn; with session_header off no
+    request carries a session id (the router sees keyless requests)."""
+    a, b = FakeOpenAI(replica="r0"), FakeOpenAI(replica="r1")
+    url_a, url_b = await serve(a), await serve(b)
+    report = await run_load([url_a, url_b], "tiny", users=2, duration_s=0.8, seed=5,
+                            progress=lambda line: None, session_header=False)
+    res = report["results"]["target"]
+    assert res["requests_ok"] == len(a.received) + len(b.received) and res["requests_failed"] == 0
+    assert abs(len(a.received) - len(b.received)) <= 1
+    assert report["workload"]["session_header"] is False
+    for r in a.received + b.received:
+        assert "x-session-id" not in r["headers"]
+
+
 async def test_failures_are_counted(serve: Any) -> None:
     fake = FakeOpenAI(fail_every=4, sse_error_every=7)
     url = await serve(fake)
