@@ -20,9 +20,8 @@ Semantics kept from `mem_cache/radix_cache.py` and `hiradix_cache.py`:
 
 Structure: a path-compressed radix tree, as SGLang keeps one node per run of tokens. A `_Run`
 holds a run of pages that share tier, lock count and eviction time; a run is split where a match,
-a lock or a tier change ends inside it, and joins its only child again once an unlock or insert
-leaves them agreeing. So a ~1,500-page context costs a handful of nodes, and lock/unlock/insert
-walk runs, not pages. What stays per page is what SGLang publishes per page:
+a lock or a tier change ends inside it. So a ~1,500-page context costs a handful of nodes, and
+lock/unlock/insert walk runs, not pages. What stays per page is what SGLang publishes per page:
 KV events, and the eviction order.
 
 Eviction order is exactly the per-page one. Access time is written on the deepest touched page
@@ -194,22 +193,6 @@ class RadixCache(EvictionMixin):
         self._runs += 1
         return upper
 
-    def _merge_down(self, run: _Run) -> _Run:
-        """Join `run` to its only child while they share tier and lock count and the child is
-        no older; returns the run now holding run's pages. The parent's own time is dropped: its
-        last page can only become a leaf after the child passed a later time up to it."""
-        while len(run.children) == 1:
-            (child,) = run.children.values()
-            if child.tier != run.tier or child.lock_ref != run.lock_ref or child.last_access < run.last_access:
-                break
-            child.keys[0:0] = run.keys
-            child.parent = run.parent
-            self._siblings(run)[run.keys[0]] = child
-            run.tier = GONE
-            self._runs -= 1
-            run = child
-        return run
-
     def _walk(self, keys: Sequence[int], n: int) -> tuple[list[_Run], int]:
         """Runs along keys[:n] as far as cached, and the pages matched (the last run may go on)."""
         path: list[_Run] = []
@@ -319,17 +302,13 @@ class RadixCache(EvictionMixin):
             return
         heap = self._dev_heap
         freed = 0
-        span = self._span(keys, start, end)
-        for run in span:
+        for run in self._span(keys, start, end):
             run.lock_ref -= 1
             if not run.lock_ref:
                 freed += len(run.keys)
                 if not run.n_dev:
                     heapq.heappush(heap, (run.last_access, run.keys[-1], run))
         self.locked_pages -= freed
-        for run in span:  # runs that now agree join up again, so paths stay a few runs long
-            if run.tier != GONE:
-                self._merge_down(run)
         self._maybe_compact()
 
     # ---- insert / load back --------------------------------------------------------------------
@@ -392,8 +371,6 @@ class RadixCache(EvictionMixin):
                 newly_locked += end - present
             if track:
                 stored.extend(self._stored_pages(keys, present, end, token_ids))
-            if parent is not None:
-                self._merge_down(parent)
             parent = new
         self.dev_pages += added
         self.locked_pages += newly_locked

