@@ -420,10 +420,10 @@ class ClusterSimulator(SamplingMixin):
 
     # -- main loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        # The replicas' radix caches hold millions of long-lived nodes, and every full
-        # (generation-2) collection walks them all (17 s of 88 s measured with gc.callbacks in a
-        # 60-simulated-s 1000-replica run). Young collections still run; full ones wait until
-        # the run ends. Results never depend on it.
+        # A large run holds millions of long-lived objects, and every full (generation-2)
+        # collection walks them all (17 s of 88 s measured with gc.callbacks in a
+        # 60-simulated-s 1000-replica run, when radix caches had one node per page). Young
+        # collections still run; full ones wait until the run ends. Results never depend on it.
         thresholds = gc.get_threshold()
         gc.set_threshold(thresholds[0], thresholds[1], 1_000_000)
         try:

@@ -1,8 +1,7 @@
 """A paged prefix cache with SGLang's radix-cache semantics, keyed by chained page hashes.
 
 Page i of a sequence has key_i = H(key_{i-1}, tokens of page i) and key_{-1} = H(namespace), so a key
-names its whole prefix: the tree is a flat dict {key: node}, a path is a list of keys, and two
-namespaces (model, lora, extra_key, cache_salt) never share a page.
+names its whole prefix and two namespaces (model, lora, extra_key, cache_salt) never share a page.
 
 Semantics kept from `mem_cache/radix_cache.py` and `hiradix_cache.py`:
 - matches and inserts are whole pages (the caller caps a match at (len-1)//page pages);
@@ -19,11 +18,20 @@ Semantics kept from `mem_cache/radix_cache.py` and `hiradix_cache.py`:
   page takes one (the host LRU evicts a host-only leaf for it). Without write_through (write_back)
   a page takes a host slot only when it is evicted from the device.
 
-Cost: presence and tier are prefix-closed along a path, so `match` is a binary search (O(log n)
-lookups). Access time is written on the deepest touched node only; an evicted child passes its
-time up to its parent, which therefore holds the subtree's latest access when it becomes a leaf,
-exactly the order SGLang gets by stamping every node on the path. Eviction pops a heap with lazy
-invalidation (stale entries are skipped), O(log n) amortised per page. Lock/unlock walk the path.
+Structure: a path-compressed radix tree, as SGLang keeps one node per run of tokens. A `_Run`
+holds a run of pages that share tier, lock count and eviction time; a run is split where a match,
+a lock or a tier change ends inside it. So a ~1,500-page context costs a handful of nodes, and
+lock/unlock/insert walk runs, not pages. What stays per page is what SGLang publishes per page:
+KV events, and the eviction order.
+
+Eviction order is exactly the per-page one. Access time is written on the deepest touched page
+only (the run is split there); an evicted child passes its time up to its parent, which therefore
+holds the subtree's latest access when it becomes a leaf, the order SGLang gets by stamping every
+node on the path. Every page inside a run has an access time <= the run's (the run's last page's),
+so once the last page goes, the page before it is a leaf with the run's time: a run's pages leave
+tail first at one time, and the LRU is a heap of (time, last page key) over leaf runs, taken a
+batch of pages at a time while they stay ahead of the heap's next entry (ties go by page key,
+as a per-page heap orders them). Stale heap entries are skipped (lazy invalidation).
 """
 
 from __future__ import annotations
@@ -31,16 +39,19 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-DEVICE = 0
-HOST = 1
-# StorageMedium values in python/sglang/srt/disaggregation/kv_events.py
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU_PINNED"
+from .radix_eviction import DEVICE, GONE, HOST, MEDIUM_CPU, MEDIUM_GPU, EvictionMixin
+
+__all__ = [
+    "DEVICE", "HOST", "MEDIUM_CPU", "MEDIUM_GPU", "KVSink", "RadixCache", "chain_keys", "page_keys",
+    "root_key",
+]
 
 _MASK = (1 << 64) - 1
+
+StoredPage = tuple[int, "int | None", "Sequence[int] | None"]  # (key, parent key, tokens)
 
 
 class KVSink(Protocol):
@@ -71,19 +82,26 @@ def page_keys(tokens: Sequence[int], page_size: int, namespace: str = "") -> lis
     return chain_keys(root_key(namespace), tokens, page_size)
 
 
-class _Node:
-    __slots__ = ("parent", "n_dev", "n_host", "last_access", "lock_ref", "tier")
+class _Run:
+    """Consecutive pages of one path: each page but the last has exactly one child, the next."""
 
-    def __init__(self, parent: int | None, last_access: float, tier: int) -> None:
+    __slots__ = ("keys", "parent", "children", "n_dev", "n_host", "last_access", "lock_ref", "tier")
+
+    def __init__(self, keys: list[int], parent: _Run | None, last_access: float, tier: int, lock_ref: int) -> None:
+        self.keys = keys
         self.parent = parent
-        self.n_dev = 0  # children on the device
-        self.n_host = 0  # children on host only
-        self.last_access = last_access
-        self.lock_ref = 0
+        self.children: dict[int, _Run] = {}  # child runs of the last page, by their first key
+        self.n_dev = 0  # child runs on the device
+        self.n_host = 0  # child runs on host only
+        self.last_access = last_access  # the last page's; every other page's is <= it
+        self.lock_ref = lock_ref
         self.tier = tier
 
+    def __lt__(self, other: _Run) -> bool:
+        return False  # heap entries (time, key, run) with equal time and key are the same page
 
-class RadixCache:
+
+class RadixCache(EvictionMixin):
     def __init__(
         self,
         page_size: int,
@@ -98,9 +116,10 @@ class RadixCache:
         self.device_capacity_pages = device_capacity_tokens // page_size
         self.host_capacity_pages = host_capacity_tokens // page_size
         self.sink = sink
-        self._nodes: dict[int, _Node] = {}
-        self._dev_heap: list[tuple[float, int]] = []
-        self._host_heap: list[tuple[float, int]] = []
+        self._top: dict[int, _Run] = {}  # runs starting at page 0, by first key
+        self._runs = 0
+        self._dev_heap: list[tuple[float, int, _Run]] = []
+        self._host_heap: list[tuple[float, int, _Run]] = []
         self.dev_pages = 0
         self.locked_pages = 0
         self.host_pages = 0
@@ -133,80 +152,162 @@ class RadixCache:
         return pages * self.page_size
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return self.dev_pages + self.host_pages
 
     def __contains__(self, key: int) -> bool:
-        return key in self._nodes
+        return self.tier_of(key) is not None
 
     def tier_of(self, key: int) -> int | None:
-        node = self._nodes.get(key)
-        return None if node is None else node.tier
+        """Tier of one page (a scan of the tree: for tests and checks)."""
+        for run in self._all_runs():
+            if key in run.keys:
+                return run.tier
+        return None
+
+    def _all_runs(self) -> Iterator[_Run]:
+        stack = list(self._top.values())
+        while stack:
+            run = stack.pop()
+            yield run
+            stack.extend(run.children.values())
+
+    # ---- tree walks ----------------------------------------------------------------------------
+    def _siblings(self, run: _Run) -> dict[int, _Run]:
+        return run.parent.children if run.parent is not None else self._top
+
+    def _split(self, run: _Run, j: int) -> _Run:
+        """Cut `run` before its page j (0 < j < len); returns the new upper run, pages [:j].
+
+        The lower part keeps the run object, so its children and heap entries stay valid. The
+        upper part's last page gets the run's time: its own is no later, and it can only become
+        a leaf after the lower part has passed that time up to it."""
+        upper = _Run(run.keys[:j], run.parent, run.last_access, run.tier, run.lock_ref)
+        del run.keys[:j]
+        self._siblings(run)[upper.keys[0]] = upper
+        upper.children[run.keys[0]] = run
+        if run.tier == DEVICE:
+            upper.n_dev = 1
+        else:
+            upper.n_host = 1
+        run.parent = upper
+        self._runs += 1
+        return upper
+
+    def _walk(self, keys: Sequence[int], n: int) -> tuple[list[_Run], int]:
+        """Runs along keys[:n] as far as cached, and the pages matched (the last run may go on)."""
+        path: list[_Run] = []
+        d = 0
+        children = self._top
+        while d < n:
+            run = children.get(keys[d])
+            if run is None:
+                break
+            rk = run.keys
+            m = len(rk)
+            path.append(run)
+            if d + m <= n and keys[d + m - 1] == rk[-1]:  # a key names its prefix: all m match
+                d += m
+                children = run.children
+                continue
+            lo, hi = 1, min(m, n - d)  # largest j with keys[d:d+j] == rk[:j]
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if keys[d + mid - 1] == rk[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            d += lo
+            break
+        return path, d
+
+    def _span(self, keys: Sequence[int], start: int, end: int) -> list[_Run]:
+        """The runs that hold exactly pages keys[start:end] (all cached), split at both ends."""
+        runs: list[_Run] = []
+        d = 0
+        children = self._top
+        while d < end:
+            run = children[keys[d]]
+            m = len(run.keys)
+            if d < start < d + m:
+                self._split(run, start - d)
+                m -= start - d
+                d = start
+            if d + m > end:
+                run = self._split(run, end - d)
+                m = end - d
+            if d >= start:
+                runs.append(run)
+            d += m
+            children = run.children
+        return runs
+
+    def _run_at(self, path: list[_Run], keys: Sequence[int], depth: int) -> _Run:
+        """The run of `path` holding page `depth`, split so that the page is its last one."""
+        d = 0
+        for i, run in enumerate(path):
+            m = len(run.keys)
+            if depth < d + m:
+                if depth < d + m - 1:
+                    upper = self._split(run, depth - d + 1)
+                    path[i:i + 1] = [upper, run]  # keep `path` true for the caller
+                    return upper
+                return run
+            d += m
+        raise KeyError(keys[depth])
 
     # ---- match ---------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], max_pages: int, now: float) -> tuple[int, int]:
         """(device pages, host pages) of the longest cached prefix of `keys[:max_pages]`."""
-        nodes = self._nodes
-        n = min(len(keys), max_pages)
-        lo, hi = 0, n  # largest m with keys[:m] all present (presence is prefix-closed)
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if keys[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        total = lo
+        path, total = self._walk(keys, min(len(keys), max_pages))
         if total == 0:
             return 0, 0
-        lo, hi = 0, total  # device pages are a prefix of the present ones
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if nodes[keys[mid - 1]].tier == DEVICE:
-                lo = mid
-            else:
-                hi = mid - 1
-        dev = lo
+        dev = 0
+        for run in path:  # device runs come first along a path
+            if run.tier != DEVICE:
+                break
+            dev += len(run.keys)
+        dev = min(dev, total)
         if dev:
-            self._touch(keys[dev - 1], now)
+            self._touch(self._run_at(path, keys, dev - 1), now)
         if total > dev:
-            nodes[keys[total - 1]].last_access = now
-            self._push_host_leaf(keys[total - 1])
+            run = self._run_at(path, keys, total - 1)
+            run.last_access = now
+            self._push_host_leaf(run)
         return dev, total - dev
 
-    def _touch(self, key: int, now: float) -> None:
-        node = self._nodes[key]
-        node.last_access = now
-        if node.n_dev == 0 and node.lock_ref == 0:
-            heapq.heappush(self._dev_heap, (now, key))
+    def _touch(self, run: _Run, now: float) -> None:
+        run.last_access = now
+        if run.n_dev == 0 and run.lock_ref == 0:
+            heapq.heappush(self._dev_heap, (now, run.keys[-1], run))
             self._maybe_compact()
 
-    def _push_host_leaf(self, key: int) -> None:
-        node = self._nodes[key]
-        if node.tier == HOST and node.n_host == 0 and node.n_dev == 0:
-            heapq.heappush(self._host_heap, (node.last_access, key))
+    def _push_host_leaf(self, run: _Run) -> None:
+        if run.tier == HOST and run.n_host == 0 and run.n_dev == 0:
+            heapq.heappush(self._host_heap, (run.last_access, run.keys[-1], run))
 
     # ---- locks ---------------------------------------------------------------------------------
     def lock(self, keys: Sequence[int], start: int, end: int) -> None:
         """Pin device pages keys[start:end] (a running request holds them)."""
-        # lock/unlock walk every page of a ~100k-token path per request: iterate nodes via map()
-        # over a slice rather than indexing keys[i] in a range loop (the simulator's hot spot).
+        if end <= start:
+            return
         newly = 0
-        for node in map(self._nodes.__getitem__, keys[start:end]):
-            if not node.lock_ref:
-                newly += 1
-            node.lock_ref += 1
+        for run in self._span(keys, start, end):
+            if not run.lock_ref:
+                newly += len(run.keys)
+            run.lock_ref += 1
         self.locked_pages += newly
 
     def unlock(self, keys: Sequence[int], start: int, end: int) -> None:
-        nodes = self._nodes
+        if end <= start:
+            return
         heap = self._dev_heap
         freed = 0
-        span = keys[start:end]
-        for key, node in zip(span, map(nodes.__getitem__, span)):
-            node.lock_ref -= 1
-            if not node.lock_ref:
-                freed += 1
-                if not node.n_dev:
-                    heapq.heappush(heap, (node.last_access, key))
+        for run in self._span(keys, start, end):
+            run.lock_ref -= 1
+            if not run.lock_ref:
+                freed += len(run.keys)
+                if not run.n_dev:
+                    heapq.heappush(heap, (run.last_access, run.keys[-1], run))
         self.locked_pages -= freed
         self._maybe_compact()
 
@@ -229,45 +330,51 @@ class RadixCache:
         """
         if end <= start:
             return 0
-        nodes = self._nodes
-        ps = self.page_size
-        sink = self.sink
-        parent = keys[start - 1] if start > 0 else None
-        # The parent's node is carried along the path (one dict lookup per page, not two).
-        parent_node = nodes[parent] if parent is not None else None
-        stored: list[tuple[int, int | None, Sequence[int] | None]] = []
+        path, present = self._walk(keys, end)
+        if present > start:
+            runs = self._span(keys, start, present)  # split so the range starts and ends a run
+            parent = runs[-1]
+        else:
+            runs = []
+            parent = self._run_at(path, keys, start - 1) if start > 0 else None
+        track = self.sink is not None
+        stored: list[StoredPage] = []
         revived: list[int] = []
         added = 0
         newly_locked = 0
-        for i in range(start, end):
-            key = keys[i]
-            node = nodes.get(key)
-            if node is None:
-                node = nodes[key] = _Node(parent, now, DEVICE)
-                if parent_node is not None:
-                    parent_node.n_dev += 1
-                added += 1
-                if sink is not None:
-                    stored.append((key, parent, token_ids[i * ps : (i + 1) * ps] if token_ids else None))
-            elif node.tier == HOST:
-                node.tier = DEVICE
-                self.host_pages -= 1
-                if parent_node is not None:
-                    parent_node.n_host -= 1
-                    parent_node.n_dev += 1
-                added += 1
-                if sink is not None:
-                    revived.append(key)
-                    stored.append((key, parent, token_ids[i * ps : (i + 1) * ps] if token_ids else None))
+        d = start
+        for run in runs:
+            m = len(run.keys)
+            if run.tier == HOST:
+                run.tier = DEVICE
+                self.host_pages -= m
+                if run.parent is not None:
+                    run.parent.n_host -= 1
+                    run.parent.n_dev += 1
+                added += m
+                if track:
+                    revived.extend(run.keys)
+                    stored.extend(self._stored_pages(keys, d, d + m, token_ids))
             if lock:
-                if not node.lock_ref:
-                    newly_locked += 1
-                node.lock_ref += 1
-            parent = key
-            parent_node = node
+                if not run.lock_ref:
+                    newly_locked += m
+                run.lock_ref += 1
+            d += m
+        if present < end:  # the rest is new: one run under the last cached page
+            new = _Run(list(keys[present:end]), parent, now, DEVICE, 1 if lock else 0)
+            self._siblings(new)[new.keys[0]] = new
+            if parent is not None:
+                parent.n_dev += 1
+            self._runs += 1
+            added += end - present
+            if lock:
+                newly_locked += end - present
+            if track:
+                stored.extend(self._stored_pages(keys, present, end, token_ids))
+            parent = new
         self.dev_pages += added
         self.locked_pages += newly_locked
-        self._touch(keys[end - 1], now)
+        self._touch(parent, now)  # type: ignore[arg-type]  # end > start: some run holds end-1
         if self.write_through:
             # new device pages take host slots (revived ones keep theirs): evict host-only leaves
             over = self.dev_pages + self.host_pages - self.host_capacity_pages
@@ -280,145 +387,41 @@ class RadixCache:
                 self.sink.stored(stored, MEDIUM_GPU)
         return added
 
-    # ---- eviction ------------------------------------------------------------------------------
-    def evict(self, n_tokens: int, protect: Sequence[int] = ()) -> int:
-        """Evict at least n_tokens (whole pages) of unlocked device leaves, LRU first.
-
-        `protect`: host keys that must survive host eviction (a pending load-back).
-        Returns the tokens evicted from the device.
-        """
-        need = -(-n_tokens // self.page_size)
-        if need <= 0:
-            return 0
-        nodes = self._nodes
-        heap = self._dev_heap
-        pop, push = heapq.heappop, heapq.heappush
-        host_cap = self.host_capacity_pages
-        use_host = host_cap > 0
-        write_through = self.write_through
-        protected = set(protect) if protect else ()
-        dropped: list[int] = []
-        moved: list[tuple[int, int | None, Sequence[int] | None]] = []
-        done = 0
-        while done < need and heap:
-            t, key = pop(heap)
-            node = nodes.get(key)
-            if (
-                node is None
-                or node.tier != DEVICE
-                or node.n_dev
-                or node.lock_ref
-                or node.last_access != t
-            ):
-                continue  # stale entry
-            done += 1
-            parent = node.parent
-            pn = nodes[parent] if parent is not None else None
-            if use_host:
-                # host slots in use once this page leaves the device: under write_through the
-                # remaining device pages hold theirs too
-                in_use = self.host_pages + (self.dev_pages - done if write_through else 0)
-                if in_use >= host_cap:
-                    self._emit_eviction(dropped, moved)  # keep each key's events in order
-                    dropped, moved = [], []
-            if use_host and (in_use < host_cap or self._evict_host(1, protected)):
-                node.tier = HOST
-                self.host_pages += 1
-                if pn is not None:
-                    pn.n_dev -= 1
-                    pn.n_host += 1
-                self._push_host_leaf(key)
-                moved.append((key, parent, None))
-            else:
-                if node.n_host:  # cannot happen: host room is always made by host eviction
-                    raise RuntimeError("dropping a device page that has host children")
-                del nodes[key]
-                if pn is not None:
-                    pn.n_dev -= 1
-            dropped.append(key)
-            if pn is not None:
-                if t > pn.last_access:
-                    pn.last_access = t  # parent inherits the subtree's latest access
-                if pn.n_dev == 0 and pn.lock_ref == 0 and pn.tier == DEVICE:
-                    push(heap, (pn.last_access, parent))
-        self.dev_pages -= done
-        self.evicted_pages_total += done
-        self._emit_eviction(dropped, moved)
-        self._maybe_compact()
-        return done * self.page_size
-
-    def _emit_eviction(
-        self, dropped: list[int], moved: list[tuple[int, int | None, Sequence[int] | None]]
-    ) -> None:
-        if self.sink is not None and dropped:
-            self.sink.removed(dropped, MEDIUM_GPU)
-            if moved:
-                self.sink.stored(moved, MEDIUM_CPU)
-
-    def _evict_host(self, need: int, protected: set[int] | tuple = ()) -> bool:
-        nodes = self._nodes
-        heap = self._host_heap
-        removed: list[int] = []
-        skipped: list[tuple[float, int]] = []
-        while len(removed) < need and heap:
-            t, key = heapq.heappop(heap)
-            node = nodes.get(key)
-            if node is None or node.tier != HOST or node.n_host or node.n_dev or node.last_access != t:
-                continue
-            if key in protected:
-                skipped.append((t, key))
-                continue
-            del nodes[key]
-            self.host_pages -= 1
-            removed.append(key)
-            parent = node.parent
-            if parent is not None:
-                pn = nodes[parent]
-                pn.n_host -= 1
-                if t > pn.last_access:
-                    pn.last_access = t
-                    if pn.tier == DEVICE and pn.n_dev == 0 and pn.lock_ref == 0:
-                        heapq.heappush(self._dev_heap, (t, parent))
-                self._push_host_leaf(parent)
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if self.sink is not None and removed:
-            self.sink.removed(removed, MEDIUM_CPU)
-        return len(removed) >= need
-
-    def _maybe_compact(self) -> None:
-        # Stale heap entries pile up under lazy invalidation; rebuild when they dominate.
-        if len(self._dev_heap) > 4 * len(self._nodes) + 1024:
-            self._dev_heap = [
-                (n.last_access, k)
-                for k, n in self._nodes.items()
-                if n.tier == DEVICE and n.n_dev == 0 and n.lock_ref == 0
-            ]
-            heapq.heapify(self._dev_heap)
-        if len(self._host_heap) > 4 * len(self._nodes) + 1024:
-            self._host_heap = [
-                (n.last_access, k)
-                for k, n in self._nodes.items()
-                if n.tier == HOST and n.n_dev == 0 and n.n_host == 0
-            ]
-            heapq.heapify(self._host_heap)
+    def _stored_pages(
+        self, keys: Sequence[int], lo: int, hi: int, token_ids: Sequence[int] | None
+    ) -> list[StoredPage]:
+        ps = self.page_size
+        return [
+            (keys[i], keys[i - 1] if i else None, token_ids[i * ps : (i + 1) * ps] if token_ids else None)
+            for i in range(lo, hi)
+        ]
 
     def check_invariants(self) -> None:
-        """O(n) self-check for tests: counters, child counts, tier order along every path."""
-        n_dev: dict[int, int] = {}
-        n_host: dict[int, int] = {}
-        for node in self._nodes.values():
-            if node.parent is not None:
-                parent = self._nodes[node.parent]  # prefix-closed
-                assert not (parent.tier == HOST and node.tier == DEVICE), "device page under host"
-                counts = n_dev if node.tier == DEVICE else n_host
-                counts[node.parent] = counts.get(node.parent, 0) + 1
-            assert node.lock_ref >= 0 and (node.lock_ref == 0 or node.tier == DEVICE)
-        for key, node in self._nodes.items():
-            assert (node.n_dev, node.n_host) == (n_dev.get(key, 0), n_host.get(key, 0))
-        tiers = [n.tier for n in self._nodes.values()]
-        assert self.dev_pages == tiers.count(DEVICE) and self.host_pages == tiers.count(HOST)
-        assert self.locked_pages == sum(1 for n in self._nodes.values() if n.lock_ref)
+        """O(n) self-check for tests: counters, child counts, tier and lock order along paths."""
+        dev = host = locked = runs = 0
+        for run in self._all_runs():
+            runs += 1
+            assert run.keys and run.tier in (DEVICE, HOST)
+            assert self._siblings(run).get(run.keys[0]) is run
+            assert run.lock_ref >= 0 and (run.lock_ref == 0 or run.tier == DEVICE)
+            n_dev = n_host = 0
+            for first, child in run.children.items():
+                assert child.parent is run and child.keys[0] == first
+                assert not (run.tier == HOST and child.tier == DEVICE), "device page under host"
+                assert child.lock_ref <= run.lock_ref, "a lock covers a whole prefix"
+                if child.tier == DEVICE:
+                    n_dev += 1
+                else:
+                    n_host += 1
+            assert (run.n_dev, run.n_host) == (n_dev, n_host)
+            if run.tier == DEVICE:
+                dev += len(run.keys)
+            else:
+                host += len(run.keys)
+            if run.lock_ref:
+                locked += len(run.keys)
+        assert runs == self._runs
+        assert self.dev_pages == dev and self.host_pages == host and self.locked_pages == locked
         assert self.host_pages <= self.host_capacity_pages or self.host_capacity_pages == 0
         if self.write_through and self.dev_pages <= self.host_capacity_pages:
             assert self.dev_pages + self.host_pages <= self.host_capacity_pages, "host copies overflow"
@@ -427,7 +430,10 @@ class RadixCache:
         """Drop everything (SGLang's /flush_cache, allowed only when nothing runs)."""
         if self.locked_pages:
             raise RuntimeError("flush with locked pages")
-        self._nodes.clear()
+        for run in self._all_runs():
+            run.tier = GONE
+        self._top.clear()
+        self._runs = 0
         self._dev_heap.clear()
         self._host_heap.clear()
         self.dev_pages = self.host_pages = 0

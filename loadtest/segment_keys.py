@@ -17,6 +17,8 @@ from .turn_request import Segment
 
 
 _MASK = (1 << 64) - 1
+_TWO64 = 1 << 64
+_LO_HI = (1 << 32) + 1  # lo * _LO_HI + page == (lo << 32) | (lo + page) while lo + page < 2**32
 
 
 @lru_cache(maxsize=1 << 16)
@@ -70,6 +72,7 @@ class SegmentKeyCache:
         page = self.page_size
         parent = keys[-1] if keys else self.root
         mask = _MASK
+        append = keys.append
         seg, seg_start = 0, 0  # index of the segment holding position `pos`, and where it starts
         pos = reuse_pages * page
         while seg < len(segments) and seg_start + sizes[seg] <= pos:
@@ -80,16 +83,21 @@ class SegmentKeyCache:
         while pos + page <= total:
             seg_end = seg_start + sizes[seg]
             if pos + page <= seg_end:
-                # Fast path: a run of whole pages inside one segment (most of any prompt).
+                # Fast path: a run of whole pages inside one segment (most of any prompt). A page
+                # at segment offset lo mixes in (lo << 32) | (lo + page) = lo * (2**32 + 1) + page,
+                # stepped directly; `u` is the previous key unsigned.
                 h0 = seg_hashes[seg]
-                while pos + page <= seg_end:
-                    lo = pos - seg_start
-                    h = ((parent & mask) ^ h0) * 0x9E3779B97F4A7C15 & mask
-                    h = (h ^ (h >> 29) ^ ((lo << 32) | (lo + page))) * 0xBF58476D1CE4E5B9 & mask
-                    h ^= h >> 32
-                    parent = h - (1 << 64) if h >> 63 else h
-                    keys.append(parent)
-                    pos += page
+                n = (seg_end - pos) // page
+                lo = pos - seg_start
+                u = parent & mask
+                for v in range(lo * _LO_HI + page, (lo + n * page) * _LO_HI + page, page * _LO_HI):
+                    h = (u ^ h0) * 0x9E3779B97F4A7C15 & mask
+                    h = (h ^ (h >> 29) ^ v) * 0xBF58476D1CE4E5B9 & mask
+                    u = h ^ (h >> 32)
+                    append(u - _TWO64 if u >> 63 else u)
+                if n:
+                    parent = keys[-1]
+                pos += n * page
                 if pos == seg_end:
                     seg_start, seg = seg_end, seg + 1
                 continue

@@ -63,6 +63,11 @@ class Session:
         if repo_tokens > 0:
             self._base.append(Segment("user", repo_tokens, f"{session_id}/repo"))
         self._history: list[Segment] = list(self._base)
+        # token totals kept alongside: summing a long history on every turn made a session's
+        # cost grow with the square of its turns
+        self._base_tokens = sum(s.tokens for s in self._base)
+        self._history_tokens = self._base_tokens
+        self._pending_prompts: list[int] = []  # prompt tokens of each pending request
         self._pending: list[TurnRequest] = []
         self._chosen = 0
         self.turn = 0
@@ -77,7 +82,9 @@ class Session:
                     f"got {None if replies is None else len(replies)}"
                 )
             req = self._pending[self._chosen]
-            self._history = list(req.segments) + [self.reply_segment(req, replies[self._chosen])]
+            reply = self.reply_segment(req, replies[self._chosen])
+            self._history = list(req.segments) + [reply]
+            self._history_tokens = self._pending_prompts[self._chosen] + reply.tokens
             self._pending = []
         elif replies:
             raise ValueError(f"session {self.session_id}: replies given but no requests outstanding")
@@ -111,7 +118,8 @@ class Session:
             think = 0.0
 
         history = self._history
-        reused = sum(s.tokens for s in history)
+        history_tokens = self._history_tokens
+        reused = history_tokens
         is_edit, edit_index = False, None
         if turn > 0 and edit_draw < cfg.edit_rate:
             candidates = [i for i, s in enumerate(history) if s.role == "user"]
@@ -125,19 +133,22 @@ class Session:
 
         compacted = False
         need = max(n + o for n, o in zip(news, outs))
-        if sum(s.tokens for s in history) + need > cfg.max_context_tokens:
+        if history_tokens + need > cfg.max_context_tokens:  # an edit keeps the token count
             if cfg.on_context_full == "end":
                 return []
             self.compactions += 1
             summary = Segment("user", cfg.compact_summary_tokens, f"{self.session_id}/compact{self.compactions}")
             history = self._base + ([summary] if summary.tokens > 0 else [])
-            reused = sum(s.tokens for s in self._base)
+            reused = self._base_tokens
+            history_tokens = reused + (summary.tokens if summary.tokens > 0 else 0)
             compacted = True
             is_edit, edit_index = False, None
-            if sum(s.tokens for s in history) + need > cfg.max_context_tokens:
+            if history_tokens + need > cfg.max_context_tokens:
                 return []  # even a fresh context cannot hold this turn
 
         self._history = history
+        self._history_tokens = history_tokens
+        self._pending_prompts = [history_tokens + n for n in news]
         batch = []
         for b in range(n_branches):
             msg = Segment("user", news[b], f"{self.session_id}/t{turn}/b{b}")
