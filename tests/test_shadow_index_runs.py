@@ -77,7 +77,7 @@ operation = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(labels, min_size=4, max_size=4), st.lists(operation, max_size=60), labels)
 def test_runs_hold_evict_and_match_like_a_per_block_lru(starts, ops, query):
     index = ShadowKVIndex(BLOCK_TOKENS, default_capacity_tokens=30 * BLOCK_TOKENS)
