@@ -1,6 +1,7 @@
 """Router CPU per request: the next turn of a ~400 KB conversation vs a 1 KB request, in one run.
 
-Starts one upstream (benchmarks/upstream.py, aiohttp: SSE answers, nothing else) and two
+Starts one upstream (benchmarks/upstream.py, aiohttp: SSE answers and a /metrics page with the
+KV capacity, nothing else) and two
 `kvrouter serve` processes in front of it: one as configured by default, one with
 `routing.prefix_chain_cache_mb: 0` (every prompt hashed whole, as before suffix hashing). One
 client sends, one request at a time on a keep-alive connection, batches of
@@ -11,8 +12,11 @@ client sends, one request at a time on a keep-alive connection, batches of
   keyed     the same with an `x-session-id` header (other conversations);
 
 to each router, in rotating order so machine noise hits all alike, and reads each router
-process's CPU time (/proc utime + stime) around every batch. Streaming requests without
-`stream_options`, as coding agents send them (the router asks for the usage event).
+process's CPU time (/proc utime + stime) around every batch. The upstream reports a KV capacity
+(`--capacity-tokens`) that holds all the conversations, so the shadow index sees each turn as an
+append to what the replica caches, not a prompt its LRU evicted since the last turn. Streaming
+requests without `stream_options`, as coding agents send them (the router asks for the usage
+event).
 
     python benchmarks/prompt_cpu.py [--json docs/benchmarks-prompt-cpu.json]
 """
@@ -80,6 +84,9 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=4, help="conversations per kind")
     parser.add_argument("--batch", type=int, default=40, help="requests per batch")
     parser.add_argument("--rounds", type=int, default=5, help="batches per (router, kind)")
+    parser.add_argument("--capacity-tokens", type=int, default=2_000_000,
+                        help="the KV capacity the upstream reports (max_total_num_tokens): enough to "
+                             "hold every conversation, as on a replica where they hit the cache")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
@@ -111,7 +118,8 @@ def main() -> int:
     sizes: dict[str, list[int]] = {k: [] for k in kinds}
     with contextlib.ExitStack() as stack:
         stack.enter_context(process([sys.executable, str(HERE / "upstream.py"), str(up_port),
-                                     "--server", "aiohttp"], up_port, "upstream"))
+                                     "--server", "aiohttp", "--max-total-num-tokens",
+                                     str(args.capacity_tokens)], up_port, "upstream"))
         whole = Path(tempfile.mkdtemp(prefix="prompt-cpu-")) / "router.yaml"
         whole.write_text(json.dumps({"routing": {"prefix_chain_cache_mb": 0}}))
         pids, clients = {}, {}

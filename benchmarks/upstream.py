@@ -13,7 +13,7 @@ Three HTTP stacks serve the same bytes:
   It costs a fraction of the others' CPU, so a router in front of it is the bottleneck (the
   --workers scaling section needs that on a 2-core machine).
 
-Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp|raw]
+Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp|raw] [--max-total-num-tokens N]
 """
 
 
@@ -56,7 +56,15 @@ async def events(chunks: int, interval: float) -> AsyncIterator[bytes]:
     yield DONE
 
 
-def aiohttp_app():  # type: ignore[no-untyped-def]
+def metrics_text(max_total_num_tokens: int) -> bytes:
+    """A /metrics page reporting only the KV capacity, as SGLang emits it at start-up."""
+    from kvrouter.sglang_protocol.metric_names import MAX_TOTAL_NUM_TOKENS, prefixed
+
+    name = prefixed(MAX_TOTAL_NUM_TOKENS)
+    return f'# TYPE {name} gauge\n{name}{{model_name="bench"}} {max_total_num_tokens}\n'.encode()
+
+
+def aiohttp_app(max_total_num_tokens: int | None = None):  # type: ignore[no-untyped-def]
     from aiohttp import web
 
     async def chat(request: "web.Request") -> "web.StreamResponse":
@@ -76,6 +84,13 @@ def aiohttp_app():  # type: ignore[no-untyped-def]
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
+    if max_total_num_tokens:
+        page = metrics_text(max_total_num_tokens)
+
+        async def metrics(request: "web.Request") -> "web.Response":
+            return web.Response(body=page, content_type="text/plain")
+
+        app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -143,6 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="SGLang-shaped benchmark upstream")
     parser.add_argument("port", type=int)
     parser.add_argument("--server", choices=("uvicorn", "aiohttp", "raw"), default="aiohttp")
+    parser.add_argument("--max-total-num-tokens", type=int,
+                        help="aiohttp only: serve /metrics reporting this KV capacity (else no /metrics)")
     args = parser.parse_args()
     if args.server == "uvicorn":
         import uvicorn
@@ -160,7 +177,7 @@ def main() -> None:
         return
     from aiohttp import web
 
-    web.run_app(aiohttp_app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
+    web.run_app(aiohttp_app(args.max_total_num_tokens), host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 
 if __name__ == "__main__":

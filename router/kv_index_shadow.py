@@ -7,19 +7,70 @@ hits, else the default) in blocks, LRU. A block is a fixed number of characters;
 is per replica (4 characters per token until calibrated, router/learning.py). Blocks are touched leaf-first so a prefix's
 root is always more recent than its tail: eviction trims conversations from the end, as SGLang's
 radix cache evicts leaves, and a surviving root never points at an evicted middle.
+A record costs the blocks it adds, not the prompt: the blocks one record touched keep their
+recency as one run, and the next turn of the conversation re-stamps that run whole (the same
+order, evictions and matches as touching every block; blocks are chained hashes, so a block sits
+at one position in every prompt holding it).
 Synchronous and lock-free: the event loop is the only writer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from itertools import islice
+from collections.abc import KeysView, Sequence
+from itertools import count
 
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
 
 
-_ABSENT = object()
+class _Run:
+    """The blocks one record stamped most recent, as one LRU entry: `chain[i]` for each i below
+    `top` that it still owns. Within a run the deeper block is the older (touched leaf first);
+    a later record of a prompt that extends the chain re-stamps the whole run instead of every
+    block. `lost`: positions below `top` other records took (or may have) since."""
+
+    __slots__ = ("rid", "chain", "top", "held", "lost")
+
+    def __init__(self, rid: int, chain: tuple[int, ...]) -> None:
+        self.rid = rid
+        self.chain = chain
+        self.top = 0
+        self.held = 0
+        self.lost: set[int] = set()
+
+
+class _ReplicaBlocks:
+    """One replica's blocks: which run last recorded each (`owner`: ints only, so the garbage
+    collector never walks it) and the runs, least recently recorded first."""
+
+    __slots__ = ("owner", "runs")
+
+    def __init__(self) -> None:
+        self.owner: dict[int, int] = {}
+        self.runs: dict[int, _Run] = {}
+
+    def extendable(self, chain: tuple[int, ...]) -> _Run | None:
+        """The run holding the deepest block of `chain` this replica holds, if `chain` extends
+        (or equals) everything that run covers."""
+        owner = self.owner
+        if chain[-1] in owner:
+            deepest = chain[-1]
+        elif chain[0] not in owner:
+            return None
+        else:  # blocks are held prefix-closed: bisect for the last held one
+            lo, hi = 0, len(chain) - 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if chain[mid] in owner:
+                    lo = mid
+                else:
+                    hi = mid
+            deepest = chain[lo]
+        run = self.runs[owner[deepest]]
+        top = run.top
+        if top > len(chain) or run.chain[:top] != chain[:top]:
+            return None
+        return run
 
 
 class ShadowKVIndex:
@@ -27,11 +78,8 @@ class ShadowKVIndex:
         self.block_tokens = block_tokens
         self.default_capacity_tokens = default_capacity_tokens
         self._holders = BlockHolders()
-        # replica -> its blocks, oldest first. Plain dicts (insertion-ordered; re-inserting a key
-        # moves it to the end) of ints are never tracked by the garbage collector; OrderedDicts
-        # are, and a full collection walked every entry (~190 ms for 6.8M blocks). The price:
-        # evicting one block rescans slots freed since the dict last resized (~2 us, not O(1)).
-        self._lru: dict[str, dict[int, None]] = {}
+        self._replicas: dict[str, _ReplicaBlocks] = {}
+        self._run_ids = count()
         self._capacity_blocks: dict[str, int] = {}
         self._reported_tokens: dict[str, int] = {}  # max_total_num_tokens, as the replica reports it
         self._learned_tokens: dict[str, int] = {}  # else its effective capacity, learnt
@@ -84,41 +132,87 @@ class ShadowKVIndex:
         return {}  # the shadow cannot tell a host copy from an eviction
 
     def record(self, replica: str, blocks: Sequence[int]) -> None:
-        lru = self._lru.get(replica)
-        if lru is None:
-            lru = self._lru[replica] = {}
-        for block in reversed(blocks):
-            known = lru.pop(block, _ABSENT) is None
-            lru[block] = None  # now the most recent
-            if not known:
-                self._holders.add(block, replica)
+        """The replica holds `blocks` now, root most recent. A prompt that extends one this replica
+        recorded before costs its new blocks (and any the prompt shares with others recorded
+        since), not all of them: the earlier run is stamped most recent as a whole."""
+        state = self._replicas.get(replica)
+        if state is None:
+            state = self._replicas[replica] = _ReplicaBlocks()
+        count = len(blocks)
+        if count:
+            chain = blocks if isinstance(blocks, tuple) else tuple(blocks)
+            run = state.extendable(chain)
+            if run is None:
+                run = _Run(next(self._run_ids), chain)
+                state.runs[run.rid] = run
+            else:
+                state.runs[run.rid] = state.runs.pop(run.rid)  # now the most recent run
+            old_top = run.top
+            lost = sorted((i for i in run.lost if i < old_top), reverse=True)
+            run.chain, run.top, run.lost = chain, count, set()
+            take = self._take
+            for i in range(count - 1, old_top - 1, -1):  # leaf first, as SGLang touches them
+                take(state, replica, run, chain[i], i)
+            for i in lost:  # its blocks other prompts touched since: this one is newer
+                take(state, replica, run, chain[i], i)
         self._evict(replica)
 
+    def _take(self, state: _ReplicaBlocks, replica: str, run: _Run, block: int, index: int) -> None:
+        """`block`, at `index` of `run`'s chain, is now recorded by `run`."""
+        owner = state.owner
+        current = owner.get(block)
+        if current is None:
+            self._holders.add(block, replica)
+        elif current == run.rid:
+            return  # a duplicate hash later in the same chain; the earlier position stands
+        else:
+            other = state.runs[current]
+            other.held -= 1
+            if other.held:
+                other.lost.add(index)  # chains agree on every block's position
+            else:
+                del state.runs[current]
+        owner[block] = run.rid
+        run.held += 1
+
     def _evict(self, replica: str) -> None:
-        lru = self._lru.get(replica)
-        if lru is None:
+        state = self._replicas.get(replica)
+        if state is None:
             return
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
-        excess = len(lru) - limit
-        if excess > 0:  # the oldest, in one pass (each fresh iterator rescans deleted slots)
-            for block in list(islice(lru, excess)):
-                del lru[block]
+        excess = len(state.owner) - limit
+        owner, runs, discard = state.owner, state.runs, self._holders.discard
+        while excess > 0:  # the least recent run, its deepest blocks first
+            run = next(iter(runs.values()))
+            chain, rid, i = run.chain, run.rid, run.top - 1
+            while excess > 0 and i >= 0:
+                block = chain[i]
+                if owner.get(block) == rid:
+                    del owner[block]
+                    discard(block, replica)
+                    run.held -= 1
+                    excess -= 1
+                    if not run.held:
+                        break
+                i -= 1
+            run.top = i + 1
+            if run.held <= 0:
+                del runs[rid]
+            elif run.top < len(chain) // 2:
+                run.chain = chain[: run.top]  # let the evicted tail's hashes go
+
+    def forget(self, replica: str) -> None:
+        """Drop a replica entirely (removed, flushed)."""
+        state = self._replicas.pop(replica, None)
+        if state is not None:
+            for block in state.owner:
                 self._holders.discard(block, replica)
 
-    def forget(self, replica: str, blocks: Iterable[int] | None = None) -> None:
-        """Drop a replica entirely (removed, flushed) or some of its blocks."""
-        lru = self._lru.get(replica)
-        if lru is None:
-            return
-        if blocks is None:
-            for block in lru:
-                self._holders.discard(block, replica)
-            del self._lru[replica]
-            return
-        for block in blocks:
-            if block in lru:
-                del lru[block]
-                self._holders.discard(block, replica)
+    def held_blocks(self, replica: str) -> KeysView[int]:
+        """The blocks the replica is taken to hold (a live view)."""
+        state = self._replicas.get(replica)
+        return (state.owner if state is not None else {}).keys()
 
     def cached_tokens(self, replica: str) -> int:
-        return int(len(self._lru.get(replica, ())) * self.block_tokens_of(replica))
+        state = self._replicas.get(replica)
+        return int((len(state.owner) if state is not None else 0) * self.block_tokens_of(replica))

@@ -59,6 +59,58 @@ def _content_bytes(content: Any) -> bytes:
     return orjson.dumps(content)  # content parts, tool calls: canonical JSON
 
 
+def render_tools(tools: Any) -> bytes:
+    """A chat request's tools, as the canonical prompt renders them (when there are any)."""
+    return b"tools\x1e" + orjson.dumps(tools) + b"\x1d"
+
+
+def render_message(m: Mapping[str, Any]) -> bytes:
+    """One chat message, as the canonical prompt renders it (`prompt_bytes`)."""
+    role = str(m.get("role", "")).encode()
+    calls = orjson.dumps(m["tool_calls"]) if m.get("tool_calls") else b""
+    return b"".join((role, b"\x1e", _content_bytes(m.get("content")), calls, b"\x1d"))
+
+
+def chat_parts(body: Mapping[str, Any]) -> list[Any]:
+    """What a chat prompt is rendered from, one entry per `render_part`: the tools (if any),
+    then every message."""
+    messages = body.get("messages") or ()
+    if not isinstance(messages, list):
+        parts: list[Any] = []
+    elif set(map(type, messages)) <= {dict}:  # the usual case, without a Python-level loop
+        parts = messages[:]
+    else:
+        parts = [m for m in messages if isinstance(m, dict)]
+    if body.get("tools"):
+        parts.insert(0, _Tools(body["tools"]))
+    return parts
+
+
+class _Tools:
+    """The tools entry of `chat_parts` (a message is a dict; this is not)."""
+
+    __slots__ = ("tools",)
+
+    def __init__(self, tools: Any) -> None:
+        self.tools = tools
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Tools) and self.tools == other.tools
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def render_part(part: Any) -> bytes:
+    return render_tools(part.tools) if isinstance(part, _Tools) else render_message(part)
+
+
+def plain_part(part: Any) -> bool:
+    """Equal plain parts render equal. Others (tools, tool calls, content parts: JSON whose key
+    order an equal value need not share; a role that is not a string) are compared rendered."""
+    return (type(part) is dict and type(part.get("role", "")) is str
+            and type(part.get("content", "")) in (str, type(None)) and not part.get("tool_calls"))
+
+
 def prompt_bytes(route: str, body: Mapping[str, Any]) -> bytes:
     """The prompt as one canonical byte string (not the wire JSON, whose key order may vary)."""
     return prompt_bytes_and_boundaries(route, body)[0]
@@ -72,7 +124,7 @@ def prompt_bytes_and_boundaries(route: str, body: Mapping[str, Any]) -> tuple[by
         ends: list[int] = []
         size = 0
         if body.get("tools"):
-            part = b"tools\x1e" + orjson.dumps(body["tools"]) + b"\x1d"
+            part = render_tools(body["tools"])
             parts.append(part)
             size += len(part)
             ends.append(size)

@@ -10,15 +10,22 @@ A stored prompt is found by the request's session key, or, without one, by where
 previous turn's prompt ended at a message boundary of the new one, so each of the new prompt's
 last boundaries is looked up by (offset, the bytes just before it). A candidate is used only if
 the new prompt starts with its stored bytes (one memcmp), never on a length or a digest alone.
+
+A chat request need not even be rendered whole (`chat_block_hashes`): its stored turn keeps the
+parsed messages instead of their bytes, a candidate is found by (message count, the last
+message's rendered tail) and proved by comparing the messages as parsed (a memcmp per string;
+those whose JSON key order could differ under equal values are compared rendered), and only the
+messages after it are rendered.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .prefix import chain_block_hashes
+from .prefix import chain_block_hashes, chat_parts, plain_part, render_part
 
 # Bytes before a boundary that name it in the index (the whole stored prompt is compared anyway).
 _TAIL_BYTES = 32
@@ -28,7 +35,12 @@ _MAX_BOUNDARY_TRIES = 32
 _BYTES_PER_HASH = 48
 _MAX_SESSIONS = 1 << 16
 
-_EndKey = tuple[bytes, int, int, bytes]  # namespace, block size, prompt length, its last bytes
+# Per stored chat message: its list slot, dict and strings' headers, roughly.
+_BYTES_PER_PART = 400
+
+# (namespace, block size, prompt length, its last bytes), or for a chat chain
+# ("chat", namespace, block size, message count, its last message's last bytes)
+_EndKey = tuple
 
 
 class _Chain:
@@ -46,6 +58,37 @@ class _Chain:
         return len(self.data) + _BYTES_PER_HASH * len(self.hashes)
 
 
+class _ChatChain:
+    """A chat prompt's chain state, kept as the parts (tools, messages) it was rendered from."""
+
+    __slots__ = ("parts", "rendered", "length", "tail", "hasher", "hashes", "session")
+
+    def __init__(self, parts: list[Any], rendered: dict[int, bytes], length: int, tail: bytes,
+                 hasher: "hashlib._Hash", hashes: tuple[int, ...], session: tuple[bytes, str] | None) -> None:
+        self.parts = parts
+        self.rendered = rendered  # the parts not `plain_part`, rendered: compared as bytes
+        self.length = length  # of the rendered prompt
+        self.tail = tail  # its bytes after the last whole block
+        self.hasher = hasher
+        self.hashes = hashes
+        self.session = session
+
+    @property
+    def cost(self) -> int:
+        return self.length + _BYTES_PER_PART * len(self.parts) + _BYTES_PER_HASH * len(self.hashes)
+
+    def prefix_of(self, parts: list[Any], render: "Callable[[int], bytes]") -> bool:
+        """Whether `parts` start with this prompt's parts, rendering as they would."""
+        count = len(self.parts)
+        if count > len(parts) or parts[:count] != self.parts:
+            return False
+        return all(render(i) == old for i, old in self.rendered.items())
+
+
+def _chat_key(ns: bytes, block_chars: int, count: int, last: bytes) -> _EndKey:
+    return "chat", ns, block_chars, count, last[-_TAIL_BYTES:]
+
+
 def _end_key(ns: bytes, block_chars: int, data: bytes, end: int) -> _EndKey:
     return ns, block_chars, end, data[max(0, end - _TAIL_BYTES):end]
 
@@ -57,7 +100,7 @@ class PrefixChains:
     def __init__(self, max_bytes: int, min_bytes: int = 4096) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
-        self._by_end: OrderedDict[_EndKey, _Chain] = OrderedDict()
+        self._by_end: OrderedDict[_EndKey, _Chain | _ChatChain] = OrderedDict()
         self._by_session: OrderedDict[tuple[bytes, str], _EndKey] = OrderedDict()
         self._bytes = 0
         self.hits = 0  # requests that hashed only a suffix
@@ -97,26 +140,82 @@ class PrefixChains:
         self._keep(_Chain(data, hasher, hashes, (ns, session) if session else None), ns, block_chars)
         return hashes
 
+    def chat_block_hashes(self, body: dict[str, Any], ns: bytes, block_chars: int,
+                          session: str | None = None) -> tuple[tuple[int, ...], int]:
+        """`text_block_hashes(prompt_bytes(chat route, body), ns, block_chars)` and the prompt's
+        length, rendering only the messages after the longest stored chat prompt found (by
+        `session`, or by its message count and last message) that this one extends."""
+        parts = chat_parts(body)
+        renders: dict[int, bytes] = {}
+
+        def render(i: int) -> bytes:
+            out = renders.get(i)
+            if out is None:
+                out = renders[i] = render_part(parts[i])
+            return out
+
+        found = self._find_chat(parts, render, ns, block_chars, session) if self.max_bytes > 0 else None
+        start = len(found.parts) if found is not None else 0
+        suffix = b"".join([render(i) for i in range(start, len(parts))])
+        if found is None:
+            length = len(suffix)
+            hasher, hashes = chain_block_hashes(hashlib.blake2b(ns, digest_size=8), suffix, 0,
+                                                block_chars, ())
+            if length < self.min_bytes or self.max_bytes <= 0:
+                return hashes, length
+            self.misses += 1
+            tail = suffix[len(hashes) * block_chars:]
+        else:
+            self.hits += 1
+            length = found.length + len(suffix)
+            todo = found.tail + suffix
+            hasher, hashes = chain_block_hashes(found.hasher.copy(), todo, 0, block_chars, found.hashes)
+            tail = todo[(len(hashes) - len(found.hashes)) * block_chars:]
+            if start < len(parts):
+                self._drop(_chat_key(ns, block_chars, start, render(start - 1)))  # superseded
+        rendered = dict(found.rendered) if found is not None else {}
+        rendered.update((i, render(i)) for i in range(start, len(parts)) if not plain_part(parts[i]))
+        chain = _ChatChain(parts, rendered, length, tail, hasher, hashes,
+                           (ns, session) if session else None)
+        if parts:
+            self._keep_at(_chat_key(ns, block_chars, len(parts), render(len(parts) - 1)), chain)
+        return hashes, length
+
+    def _find_chat(self, parts: list[Any], render: Callable[[int], bytes], ns: bytes,
+                   block_chars: int, session: str | None) -> "_ChatChain | None":
+        if session:
+            key = self._by_session.get((ns, session))
+            chain = self._by_end.get(key) if key is not None else None
+            if isinstance(chain, _ChatChain) and key[2] == block_chars and chain.prefix_of(parts, render):
+                return chain
+        for count in range(len(parts), max(0, len(parts) - _MAX_BOUNDARY_TRIES), -1):
+            chain = self._by_end.get(_chat_key(ns, block_chars, count, render(count - 1)))
+            if isinstance(chain, _ChatChain) and chain.prefix_of(parts, render):
+                return chain
+        return None
+
     def _find(self, data: bytes, ns: bytes, block_chars: int, session: str | None,
               boundaries: Sequence[int]) -> _Chain | None:
         if session:
             key = self._by_session.get((ns, session))
             chain = self._by_end.get(key) if key is not None else None
-            if chain is not None and key is not None and key[1] == block_chars \
+            if isinstance(chain, _Chain) and key is not None and key[1] == block_chars \
                     and data.startswith(chain.data):
                 return chain
         for end in reversed(boundaries[-_MAX_BOUNDARY_TRIES:]):
             if end <= 0 or end > len(data):
                 continue
             chain = self._by_end.get(_end_key(ns, block_chars, data, end))
-            if chain is not None and data.startswith(chain.data):
+            if isinstance(chain, _Chain) and data.startswith(chain.data):
                 return chain
         return None
 
     def _keep(self, chain: _Chain, ns: bytes, block_chars: int) -> None:
+        self._keep_at(_end_key(ns, block_chars, chain.data, len(chain.data)), chain)
+
+    def _keep_at(self, key: _EndKey, chain: "_Chain | _ChatChain") -> None:
         if chain.cost > self.max_bytes:
             return
-        key = _end_key(ns, block_chars, chain.data, len(chain.data))
         self._drop(key)
         self._by_end[key] = chain
         self._bytes += chain.cost

@@ -37,13 +37,17 @@ def summarize(
     ids, or none when its tokenizer cannot tell: text blocks would match nothing in the exact
     index, so such a request is placed on session affinity and load alone. Otherwise the prompt
     size is its bytes over `bytes_per_token` (calibrated per model, router/learning.py).
-    With `chains`, a prompt that extends a recent one has only its new bytes hashed."""
+    With `chains`, a prompt that extends a recent one has only its new bytes hashed (and, for
+    a chat request, only its new messages rendered)."""
     model = body.get("model")
     key = session_key(headers, body, config.session_headers, config.session_fields)
     exact_blocks = exact(route, body) if exact is not None else None
     text_bytes = 0
     if exact_blocks is not None:
         prompt_tokens, blocks = exact_blocks
+    elif chains is not None and exact is None and route == "/v1/chat/completions":
+        blocks, text_bytes = chains.chat_block_hashes(body, namespace(body), config.block_chars, key)
+        prompt_tokens = int(text_bytes / bytes_per_token)
     else:
         data, boundaries = prompt_bytes_and_boundaries(route, body)
         if route == "/generate" and isinstance(body.get("input_ids"), list):

@@ -113,3 +113,71 @@ def test_always_equals_the_full_hash(steps, keyed, max_bytes):
         session = f"s{current}" if keyed else None
         assert hashes_of(chains, body, session) == full(body)
         assert chains.stored_bytes <= max(max_bytes, 0)
+
+
+# Chat messages whose equal values may render differently: JSON key order, True == 1.
+_message = st.one_of(
+    _text.map(lambda t: {"role": "user", "content": t}),
+    _text.map(lambda t: {"role": "assistant", "content": None, "tool_calls": [{"id": t, "type": "f"}]}),
+    _text.map(lambda t: {"role": "assistant", "content": None, "tool_calls": [{"type": "f", "id": t}]}),
+    _text.map(lambda t: {"role": "tool", "content": [{"type": "text", "text": t}]}),
+    _text.map(lambda t: {"role": "tool", "content": [{"text": t, "type": "text"}]}),
+    _text.map(lambda t: {"role": True, "content": t}),
+    _text.map(lambda t: {"role": 1, "content": t}),
+    st.just("not a message"),
+)
+_tools = st.sampled_from([None, [{"a": 1, "b": 2}], [{"b": 2, "a": 1}]])
+_chat_step = st.one_of(
+    st.tuples(st.just("append"), _message),
+    st.tuples(st.just("truncate"), st.integers(0, 8)),
+    st.tuples(st.just("edit"), st.integers(0, 8), _message),
+    st.tuples(st.just("tools"), _tools),
+    st.tuples(st.just("switch"), st.integers(0, 2)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_chat_step, min_size=1, max_size=40), keyed=st.booleans(),
+       max_bytes=st.sampled_from([0, 300, 1 << 20]))
+def test_chat_hashes_rendering_only_new_messages_always_equal_the_full_hash(steps, keyed, max_bytes):
+    chains = PrefixChains(max_bytes=max_bytes, min_bytes=0)
+    sessions: list[list] = [[{"role": "system", "content": "base"}], [{"role": "system", "content": "base"}], []]
+    tools: list = [None, None, None]
+    current = 0
+    for step in steps:
+        messages = sessions[current]
+        if step[0] == "append":
+            messages.append(step[1])
+        elif step[0] == "truncate":
+            del messages[min(step[1], len(messages)):]
+        elif step[0] == "edit" and messages:
+            messages[step[1] % len(messages)] = step[2]
+        elif step[0] == "tools":
+            tools[current] = step[1]
+        elif step[0] == "switch":
+            current = step[1]
+        body = {"model": "m", "messages": [dict(m) if isinstance(m, dict) else m for m in sessions[current]]}
+        if tools[current]:
+            body["tools"] = tools[current]
+        data = prompt_bytes_and_boundaries(CHAT, body)[0]
+        session = f"s{current}" if keyed else None
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, session) == \
+            (text_block_hashes(data, b"ns", BLOCK), len(data))
+        assert chains.stored_bytes <= max(max_bytes, 0)
+
+
+def test_a_chat_turn_renders_only_its_new_messages(monkeypatch):
+    from kvrouter.router import prefix_chain
+
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    rendered = []
+    render = prefix_chain.render_part
+    monkeypatch.setattr(prefix_chain, "render_part", lambda part: (rendered.append(part), render(part))[1])
+    turns = [f"turn {n} " * 40 for n in range(50)]
+    for session in ("s", None):
+        chains.chat_block_hashes(conversation(*turns), b"ns", BLOCK, session)
+        rendered.clear()
+        body = conversation(*turns, "reply " * 10, "next question " * 10)
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, session)[0] == full(body)
+        # the two new messages, and the one before them (it names where the stored prompt ends)
+        assert len(rendered) <= 3 and {"role": "user", "content": "next question " * 10} in rendered

@@ -117,10 +117,11 @@ def test_bisected_match_equals_a_block_by_block_walk():
 
     def linear(idx: ShadowKVIndex, blocks: list[int]) -> dict[str, int]:
         out = {}
-        for replica, lru in idx._lru.items():
+        for replica in ("r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7"):
+            held = idx.held_blocks(replica)
             depth = 0
             for b in blocks:
-                if b not in lru:
+                if b not in held:
                     break
                 depth += 1
             if depth:
