@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,7 +36,7 @@ def random_view(rng: random.Random, rid: str) -> ReplicaView:
 FLEETS = (1, 3, 8, 40, 120)  # replicas; 120 > 4 x 16 candidates: coding-agent samples
 
 
-def cases(rng: random.Random, per_fleet: int):  # type: ignore[no-untyped-def]
+def cases(rng: random.Random, per_fleet: int) -> Iterator[tuple[Snapshot, RequestSummary]]:
     """Random (snapshot, request) pairs, fleet size by fleet size (a hash ring is built once each)."""
     for n in FLEETS:
         for _ in range(per_fleet):
