@@ -59,7 +59,7 @@ class ConsistentHash:
         elif request.prefix_blocks:
             key = request.prefix_blocks[0] & 0xFFFFFFFFFFFFFFFF
         else:
-            candidates = snapshot.candidates(request)
+            candidates = snapshot.candidate_views(request)
             return Decision(rng.choice(candidates).id, "no_key") if candidates else None
         start = bisect.bisect(self._points, key)
         n = len(self._owners)

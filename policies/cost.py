@@ -76,9 +76,13 @@ def expected_costs(
     prompt = request.prompt_tokens
     cached_on, host_on = request.cached_tokens, request.host_cached_tokens
     cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
+    # The parameters, read once: this loop runs on every candidate of every decision.
     queue_s, decode_s, max_running = p.queue_s_per_waiting, p.decode_s_per_running, p.max_running
     target = p.capacity_target
-    out = []
+    pressure_span = 1.0 - target + 1e-9
+    default_capacity, kv_demand_s, session_s = p.default_capacity_tokens, p.kv_demand_s, p.session_s
+    out: list[float] = []
+    append = out.append
     for replica in replicas:
         rid = replica.id
         cached = cached_on.get(rid, 0) if cached_on else 0
@@ -99,17 +103,17 @@ def expected_costs(
         # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
         usage = replica.token_usage or 0.0
         if usage > target:
-            cost += queue_s * (usage - target) / (1.0 - target + 1e-9)
+            cost += queue_s * (usage - target) / pressure_span
 
         if placement:
             # KV the replica's homed sessions already need; a new session adds its whole context.
-            capacity = replica.max_total_num_tokens or p.default_capacity_tokens
+            capacity = replica.max_total_num_tokens or default_capacity
             new = rid != home
             demand = replica.homed_tokens + (prompt if new else 0)
-            cost += p.kv_demand_s * demand / capacity
-            cost += p.session_s * (replica.homed_sessions + new)
+            cost += kv_demand_s * demand / capacity
+            cost += session_s * (replica.homed_sessions + new)
             overflow = int(demand - target * capacity)
             if overflow > 0:  # that much cached context gets evicted and recomputed later
                 cost += p.capacity_weight * prefill_s(p, overflow, 0)
-        out.append(cost)
+        append(cost)
     return out

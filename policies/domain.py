@@ -10,7 +10,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
@@ -34,14 +34,19 @@ class ReplicaView:
     # Sessions whose home this is, and the sum of their last context sizes (their KV demand).
     homed_sessions: int = 0
     homed_tokens: int = 0
+    # Requests on the replica: the polled running+queued (all routers) or this router's own
+    # in-flight count, whichever is larger, so a stale poll never hides fresh dispatches.
+    # Derived once when the view is made (a view is read far more often than it is made).
+    load: int = field(init=False, compare=False)
 
-    @property
-    def load(self) -> int:
-        """Requests on the replica: the polled running+queued (all routers) or this router's
-        own in-flight count, whichever is larger, so a stale poll never hides fresh dispatches."""
-        if self.num_running_reqs is None:
-            return self.in_flight
-        return max(self.in_flight, self.num_running_reqs + (self.num_queue_reqs or 0))
+    def __post_init__(self) -> None:
+        running = self.num_running_reqs
+        in_flight = self.in_flight
+        if running is not None:
+            running += self.num_queue_reqs or 0
+            if running > in_flight:
+                in_flight = running
+        object.__setattr__(self, "load", in_flight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,39 @@ class RequestSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadScan:
+    """The loads of a request's candidates: what load-based policies start from."""
+
+    low: int  # least load among the candidates (0 when there are none)
+    high: int  # most load among them
+    least: tuple[ReplicaView, ...]  # the candidates with the least load, in snapshot order
+
+
+class FleetMemo:
+    """Scans of one snapshot, made on first use and shared by every policy deciding on it (the
+    live policy and the shadow policies): the same pure result, computed once. A snapshot is
+    immutable, so an entry never goes stale; `Snapshot.with_session` shares its memo. Entries
+    are per exclusion set (replicas a retry already tried)."""
+
+    __slots__ = ("candidates", "loads")
+    MAX_ENTRIES = 8  # exclusion sets differ only on retries; a long-lived snapshot stays small
+
+    def __init__(self) -> None:
+        self.candidates: dict[frozenset[str], tuple[ReplicaView, ...]] = {}
+        self.loads: dict[frozenset[str], LoadScan] = {}
+
+
+_T = TypeVar("_T")
+
+
+def _remember(memo: dict[frozenset[str], _T], key: frozenset[str], value: _T) -> _T:
+    if len(memo) >= FleetMemo.MAX_ENTRIES:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """All replicas as seen at one instant. Policies must not keep a reference to it.
 
@@ -85,15 +123,46 @@ class Snapshot:
     healthy_count: int | None = None
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
+    # Fleet scans already made on these replicas (not part of the snapshot's value).
+    memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
         return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch)
+                        self.healthy_count, self.fresh, self.epoch, self.memo)
+
+    def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
+        """Healthy replicas not already tried for this request, in snapshot order: scanned once
+        per snapshot and exclusion set, whichever policy asks first (do not mutate)."""
+        exclude = request.exclude
+        found = self.memo.candidates.get(exclude)
+        if found is None:
+            if not exclude and self.healthy_count == len(self.replicas):
+                found = self.replicas  # the registry counts healthy replicas: none to drop
+            elif exclude:
+                found = tuple([r for r in self.replicas if r.healthy and r.id not in exclude])
+            else:
+                found = tuple([r for r in self.replicas if r.healthy])
+            _remember(self.memo.candidates, exclude, found)
+        return found
+
+    def load_scan(self, request: RequestSummary) -> LoadScan:
+        """Least and most load among the request's candidates, and the least-loaded ones;
+        computed once per snapshot and exclusion set."""
+        found = self.memo.loads.get(request.exclude)
+        if found is None:
+            candidates = self.candidate_views(request)
+            if candidates:
+                loads = [r.load for r in candidates]
+                low = min(loads)
+                found = LoadScan(low, max(loads), tuple([r for r in candidates if r.load == low]))
+            else:
+                found = LoadScan(0, 0, ())
+            _remember(self.memo.loads, request.exclude, found)
+        return found
 
     def candidates(self, request: RequestSummary) -> list[ReplicaView]:
         """Healthy replicas not already tried for this request, in a stable order."""
-        exclude = request.exclude
-        return [r for r in self.replicas if r.healthy and r.id not in exclude]
+        return list(self.candidate_views(request))
 
     def get(self, replica_id: str) -> ReplicaView | None:
         if self.by_id is not None:
@@ -132,12 +201,15 @@ class Snapshot:
             for view in self.candidates(request):
                 chosen.setdefault(view.id, view)
             return list(chosen.values())
-        for _ in range(4 * k):  # draws with replacement; unusable ones are skipped
+        # Draws with replacement; unusable ones are skipped. `rng.choice(replicas)` draws the
+        # very number `replicas[rng.randrange(n)]` does, with less call overhead.
+        replicas, exclude, choice = self.replicas, request.exclude, rng.choice
+        for _ in range(4 * k):
             if len(chosen) >= k:
                 break
-            view = self.replicas[rng.randrange(n)]
-            if view.healthy and view.id not in request.exclude:
-                chosen.setdefault(view.id, view)
+            view = choice(replicas)
+            if view.healthy and view.id not in exclude and view.id not in chosen:
+                chosen[view.id] = view
         return list(chosen.values())
 
 

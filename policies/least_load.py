@@ -15,9 +15,7 @@ class LeastLoad:
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
-        candidates = snapshot.candidates(request)
-        if not candidates:
+        least = snapshot.load_scan(request).least  # shared with any other policy on this snapshot
+        if not least:
             return None
-        low = min(r.load for r in candidates)
-        ties = [r for r in candidates if r.load == low]
-        return Decision(rng.choice(ties).id, "least_load")
+        return Decision(rng.choice(least).id, "least_load")

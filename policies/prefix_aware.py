@@ -33,19 +33,33 @@ class PrefixAware:
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
-        candidates = snapshot.candidates(request)
-        if not candidates:
+        loads = snapshot.load_scan(request)  # shared with other policies on this snapshot
+        if not loads.least:
             return None
         p = self.params
-        loads = [r.load for r in candidates]
-        lo, hi = min(loads), max(loads)
-        least = [r for r in candidates if r.load == lo]
+        lo, hi, least = loads.low, loads.high, loads.least
         if hi - lo > p.balance_abs_threshold and hi > p.balance_rel_threshold * lo:
             return Decision(rng.choice(least).id, "imbalanced")
         if request.prompt_tokens > 0 and request.cached_tokens:
-            matched = [(request.cached_tokens.get(r.id, 0), r) for r in candidates]
-            best = max(m for m, _ in matched)
-            if best > p.cache_threshold * request.prompt_tokens:
-                top = [r for m, r in matched if m == best]
-                return Decision(rng.choice(top).id, "prefix_match")
+            top = self._best_holders(snapshot, request)
+            if top:
+                return Decision(rng.choice(top), "prefix_match")
         return Decision(rng.choice(least).id, "least_load")
+
+    def _best_holders(self, snapshot: Snapshot, request: RequestSummary) -> list[str]:
+        """The candidates holding the longest match, in snapshot order, if it beats the
+        threshold. Walks the index's few holders, not the fleet: a candidate missing from
+        the match holds 0 tokens, and 0 never beats the threshold."""
+        floor = self.params.cache_threshold * request.prompt_tokens
+        best, top = 0, []
+        for rid, matched in request.cached_tokens.items():
+            if matched <= floor or matched < best or snapshot.usable(rid, request) is None:
+                continue
+            if matched > best:
+                best, top = matched, [rid]
+            else:
+                top.append(rid)
+        if len(top) > 1:  # ties in snapshot order, as a scan of the candidates finds them
+            chosen = set(top)
+            top = [r.id for r in snapshot.candidate_views(request) if r.id in chosen]
+        return top

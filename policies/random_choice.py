@@ -14,7 +14,7 @@ class RandomChoice:
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
-        candidates = snapshot.candidates(request)
+        candidates = snapshot.candidate_views(request)
         if not candidates:
             return None
         return Decision(rng.choice(candidates).id, "random")

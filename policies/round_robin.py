@@ -17,7 +17,7 @@ class RoundRobin:
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
-        candidates = snapshot.candidates(request)
+        candidates = snapshot.candidate_views(request)
         if not candidates:
             return None
         choice = candidates[self._next % len(candidates)]

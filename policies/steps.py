@@ -69,7 +69,11 @@ class HighWater:
         )
 
     def __call__(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
-        return [r for r in candidates if not self.overloaded(r)]
+        # `overloaded`, inlined: this runs on every candidate of every decision.
+        running, queue, usage = self.max_running, self.max_queue, self.max_token_usage
+        return [r for r in candidates
+                if not (r.load >= running or (r.num_queue_reqs or 0) > queue
+                        or (r.token_usage or 0.0) > usage)]
 
 
 def without(candidates: Sequence[ReplicaView], replica_id: str) -> list[ReplicaView]:

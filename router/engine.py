@@ -131,11 +131,16 @@ class RoutingEngine:
         """What `decision` predicts, and where each shadow policy would have sent the request
         (pure calls on the same snapshot; the shadow metrics are counted here)."""
         chosen = predict(snapshot, summary, decision.replica)
+        predicted = {decision.replica: chosen}  # a pick already predicted is not costed again
         shadows = []
         m = self.metrics
         for name, shadow in self.shadows:
             other = shadow.decide(snapshot, summary, self._shadow_rng)
-            guess = predict(snapshot, summary, other.replica) if other is not None else None
+            guess = None
+            if other is not None:
+                guess = predicted.get(other.replica)
+                if guess is None:
+                    guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             shadows.append((name, other, guess))
             if m is not None:
                 agrees = guess is not None and guess.replica == decision.replica

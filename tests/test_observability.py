@@ -106,6 +106,19 @@ def test_dashboard_queries_only_existing_metrics():
     assert any("by (reason)" in e for e in decisions)
 
 
+def test_dashboard_shows_shadow_policies_and_decision_log_drops():
+    exprs = dashboard_exprs()
+    used = set().union(*(metric_names(e) for e in exprs))
+    for required in ("kvrouter_shadow_decisions_total", "kvrouter_shadow_picks_total",
+                     "kvrouter_shadow_predicted_ttft_seconds_total", "kvrouter_decision_log_dropped_total"):
+        assert required in used, required
+    # Agreement rate and predicted gain, per shadow policy.
+    assert any('agrees="true"' in e and "by (shadow)" in e for e in exprs)
+    assert any('role="shadow"' in e and 'role="live"' in e and "by (policy)" in e for e in exprs)
+    alerts = [e for e in alert_exprs() if "kvrouter_decision_log_dropped_total" in e]
+    assert alerts, "no alert on decision-log drops"
+
+
 def test_dashboard_is_importable_grafana_json():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
