@@ -15,7 +15,8 @@
 `--out` (and their numbers in `simulation/scenarios.json`), keeping the rest of the file.
 
 Sections run by their own command and written by hand (`KEPT_SECTIONS`: the perturbed worlds of
-`kvrouter simulate --world-perturb`, the note on what changed in the simulator) are carried over
+`kvrouter simulate --world-perturb`, the several-seeds tables of `loadtest/policy_matrix.py`, the
+note on what changed in the simulator) are carried over
 from the existing `--out` file. With `--out`, the numbers behind every table are also written to
 `simulation/scenarios.json` beside it.
 """
@@ -39,7 +40,7 @@ from .simulate import markdown_table
 from .workload_config import load_workload
 
 POLICIES = ("coding-agent", "consistent-hash", "prefix-aware", "round-robin")
-KEPT_SECTIONS = ("Perturbed worlds", "What changed in the simulator")
+KEPT_SECTIONS = ("Perturbed worlds", "Several seeds, and the policy's constants 2x off", "What changed in the simulator")
 SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka_claude_code"
 
 
