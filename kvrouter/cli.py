@@ -184,11 +184,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--out-dir", default=c.DEMO_OUT_DIR, help=f"report and charts (default ./{c.DEMO_OUT_DIR})")
     p.add_argument("--replicas", type=int, default=c.DEMO_REPLICAS)
     p.add_argument("--users", type=int, default=c.DEMO_USERS)
-    p.add_argument("--duration", type=float, default=c.DEMO_DURATION_S, help="wall seconds of load per policy")
+    p.add_argument("--rounds", type=int, default=c.DEMO_ROUNDS,
+                   help="comparisons with seeds SEED, SEED+1, ...: the report shows each policy's mean and range")
+    p.add_argument("--duration", type=float, default=c.DEMO_DURATION_S, help="wall seconds of load per policy and round")
     p.add_argument("--time-scale", type=float, default=c.DEMO_TIME_SCALE)
     p.add_argument("--ramp", type=float, default=c.DEMO_RAMP_S, help="model seconds over which the users start")
     p.add_argument("--warmup", type=float, default=c.DEMO_WARMUP_S, help="model seconds left out of the results")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first round's seed")
     p.set_defaults(func=cmd_demo)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from .report import summarize_requests
+from .report import RequestRecord, percentile, summarize_requests
 
 if TYPE_CHECKING:
     from .cluster_sim import ClusterSimulator
@@ -59,7 +59,29 @@ class SamplingMixin:
         out["homed_sessions_per_replica"] = [live.get(url, 0) for url in sorted(self.models)]
         out["router_sessions"] = len(self.table)  # live and ended sessions the router still holds
         out["decisions"] = dict(sorted(self.decisions.items()))
+        out["decisions_measured"] = by_reason(measured)
         out["sessions_rebalanced"] = self.rebalanced
         out["load_timeline"] = self.load_timeline
         out["session_timeline"] = self.session_timeline
         return out
+
+
+def by_reason(records: list[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Per routing rule (the decision's reason): how many measured requests it placed, the share
+    of their prompt tokens the replica had cached (and the router's index predicted), and their
+    TTFT p95: which rule loses the cache, and where the index misjudges it."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(r.reason or "unplaced", []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for reason, group in sorted(groups.items()):
+        ok = [r for r in group if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        ttft = percentile((r.ttft_s for r in ok if r.ttft_s is not None), 95)
+        out[reason] = {
+            "requests": len(group), "failed": len(group) - len(ok), "prompt_tokens": prompt,
+            "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+            "predicted_hit_rate": round(sum(r.predicted_cached_tokens for r in ok) / prompt, 4) if prompt else None,
+            "ttft_p95_s": round(ttft, 3) if ttft is not None else None,
+        }
+    return out

@@ -283,6 +283,8 @@ class ClusterSimulator(SamplingMixin):
             return
         self.decisions[placement.decision.reason] += 1
         url = placement.url
+        record.reason = placement.decision.reason
+        record.predicted_cached_tokens = min(prompt, placement.summary.cached_tokens.get(url, 0))
         rid = f"r{next(self._rid)}"
         record.replica = url
         prompt = req.prompt_tokens

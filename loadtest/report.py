@@ -83,6 +83,8 @@ class RequestRecord:
     turn_index: int = 0
     branch_index: int = 0
     is_edit: bool = False
+    reason: str | None = None  # the routing rule that placed it (simulator only)
+    predicted_cached_tokens: int = 0  # the router's KV-index estimate there (simulator only)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

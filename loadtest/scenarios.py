@@ -11,8 +11,12 @@
 4. resolution: the same run at 64- and 512-token pages (what the faster setting changes).
 5. performance: 1000 replicas x 5000 sessions x 10 simulated minutes; wall time and events/s.
 
+`--only claude-code[,resolution,performance]` re-runs just those sections and replaces them in
+`--out` (and their numbers in `simulation/scenarios.json`), keeping the rest of the file.
+
 Sections run by their own command and written by hand (`KEPT_SECTIONS`: the perturbed worlds of
-`kvrouter simulate --world-perturb`, the note on what changed in the simulator) are carried over
+`kvrouter simulate --world-perturb`, the several-seeds tables of `loadtest/policy_matrix.py`, the
+note on what changed in the simulator) are carried over
 from the existing `--out` file. With `--out`, the numbers behind every table are also written to
 `simulation/scenarios.json` beside it.
 """
@@ -36,7 +40,7 @@ from .simulate import markdown_table
 from .workload_config import load_workload
 
 POLICIES = ("coding-agent", "consistent-hash", "prefix-aware", "round-robin")
-KEPT_SECTIONS = ("Perturbed worlds", "What changed in the simulator")
+KEPT_SECTIONS = ("Perturbed worlds", "Several seeds, and the policy's constants 2x off", "What changed in the simulator")
 SHARED_TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "weka_claude_code"
 
 
@@ -219,10 +223,59 @@ def kept_sections(old: str) -> list[tuple[str, str]]:
     return out
 
 
+def replace_sections(doc: str, fresh: dict[str, str]) -> str:
+    """`doc` with the bodies of the `## ` sections titled in `fresh` replaced, in place; titles it
+    lacks are appended; everything else (the header included) is kept as it was."""
+    head, *chunks = ("\n" + doc).split("\n## ")
+    fresh = dict(fresh)
+    body = []
+    for chunk in chunks:
+        title, _, text = chunk.partition("\n")
+        body.append((title.strip(), fresh.pop(title.strip(), text.strip())))
+    body += list(fresh.items())
+    return head.strip() + "\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in body) + "\n"
+
+
+def rerun_sections(args: argparse.Namespace) -> int:
+    """`--only`: re-run some sections and replace just those in `--out` (and their numbers in
+    simulation/scenarios.json); every other section, the header included, stays as it was."""
+    only = [name.strip() for name in args.only.split(",")]
+    unknown = [name for name in only if name not in ONLY_SECTIONS]
+    if unknown:
+        print(f"scenarios: --only: unknown section(s) {', '.join(unknown)} (known: {', '.join(ONLY_SECTIONS)})",
+              file=sys.stderr)
+        return 2
+    runners = {
+        "claude-code": ("Claude Code replay: 15 sessions x 2 users on 4 replicas", "claude_code",
+                        lambda: claude_code(args.traces)),
+        "resolution": ("Simulation resolution: 64- vs 512-token pages (50 replicas x 250 sessions)", "resolution", resolution),
+        "performance": ("Performance", "performance", performance),
+    }
+    command = "python -m kvrouter.loadtest.scenarios " + " ".join(sys.argv[1:])
+    fresh: dict[str, str] = {}
+    numbers: dict[str, Any] = {}
+    for name in only:
+        title, key, run = runners[name]
+        text, numbers[key] = run()
+        fresh[title] = f"{text}\n\nRe-run alone with `{command.strip()}`."
+        print(f"## {title}\n\n{fresh[title]}\n")
+    if args.out:
+        old = args.out.read_text() if args.out.exists() else ""
+        args.out.write_text(replace_sections(old, fresh))
+        path = args.out.parent / "simulation" / "scenarios.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        save_results(path, {**saved, **numbers})
+    return 0
+
+
 def save_results(path: Path, results: dict[str, Any]) -> None:
     """The numbers behind the doc's tables, as JSON (`timeline` tuples become lists)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+# The sections `--only` can re-run alone (the textbook and scale-out ones also draw charts).
+ONLY_SECTIONS = ("claude-code", "resolution", "performance")
 
 
 def main() -> int:
@@ -230,7 +283,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer seeds, skip the 1000-replica run")
     parser.add_argument("--traces", type=Path, default=SHARED_TRACES)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", help=f"comma-separated sections to re-run ({', '.join(ONLY_SECTIONS)}); "
+                                       "with --out the others are carried over from the file unchanged")
     args = parser.parse_args()
+    if args.only:
+        return rerun_sections(args)
     parts = []
     results: dict[str, Any] = {}
     text, textbook_rows = textbook(seeds=3 if args.quick else 10)

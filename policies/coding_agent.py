@@ -4,6 +4,12 @@ The rules, in order (each decision's `reason` names the rule that made it):
 1. affinity   A session whose home is healthy and under its high-water marks goes home. A request
               with no session id treats the replica holding most of its prefix (at least
               `prefix_home_min_fraction` of the prompt) as its home.
+   rehome_evicted
+              ...unless the KV index says the home holds less than `home_lost_fraction` of the
+              prompt: the engine evicted the session there, so the request (and the home) goes
+              where it starts soonest, by the per-request cost; the home keeps near-ties. Without
+              this, a session stayed on a replica whose KV its neighbours kept overwriting, and a
+              cold prefill there evicted theirs in turn (where KV is tight, most of the misses).
 2. overflow   If the session already has `session_high_water` requests in flight, or the home is
               above a high-water mark (running, queued, token_usage), this request goes to the
               cheapest other replica if its expected cost (a cold prefill there) beats the cost at
@@ -34,7 +40,7 @@ import random
 from pydantic import BaseModel, ConfigDict, Field
 
 from .domain import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
-from .cost import CostParams, expected_cost, prefill_s
+from .cost import CostParams, expected_cost, expected_costs, prefill_s
 from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
 
 
@@ -46,6 +52,7 @@ class CodingAgentParams(BaseModel):
     replica_max_queue: int = Field(2, ge=0, description="Home high-water: requests queued at the replica.")
     replica_max_token_usage: float = Field(0.92, gt=0, le=1.0, description="Home high-water: SGLang token_usage.")
     prefix_home_min_fraction: float = Field(0.5, ge=0, le=1.0, description="Keyless requests: cached share that makes a replica home.")
+    home_lost_fraction: float = Field(0.5, ge=0, le=1.0, description="A home caching less than this share of the prompt has lost the session's KV: the session is placed again by cost (0 turns it off).")
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
@@ -90,6 +97,8 @@ class CodingAgent:
         session = snapshot.session
         session_busy = session is not None and session.in_flight >= self.params.session_high_water
         if not session_busy and not self.high_water.overloaded(home):
+            if self._home_lost_prefix(home, request):
+                return self._rehome_evicted(snapshot, request, rng, home)
             return Decision(home.id, "affinity")
         others = without(self.candidates(snapshot, request, rng), home.id)
         if not others:
@@ -102,6 +111,35 @@ class CodingAgent:
         if expected_cost(cost, choice, request, placement=False) < home_cost:
             return Decision(choice.id, reason)
         return Decision(home.id, "affinity")
+
+    def _home_lost_prefix(self, home: ReplicaView, request: RequestSummary) -> bool:
+        """The KV index says the home holds less than `home_lost_fraction` of this prompt: the
+        engine evicted the session's prefix there (only a keyed session with a prefix to match)."""
+        if not request.prefix_blocks or request.prompt_tokens <= 0:
+            return False
+        cached = request.cached_tokens.get(home.id, 0) if request.cached_tokens else 0
+        return cached < self.params.home_lost_fraction * request.prompt_tokens
+
+    def _rehome_evicted(
+        self, snapshot: Snapshot, request: RequestSummary, rng: random.Random, home: ReplicaView
+    ) -> Decision:
+        """The engine evicted the session's prefix at home: its working set there is larger than
+        the KV, which the homed-KV terms cannot see (they assume homed context fits until
+        capacity_target and count sessions that already ended). The prompt is a cold prefill
+        anywhere, so it goes where it starts soonest: the per-request cost (queueing, prefill of
+        what each replica holds, KV pressure from `token_usage`), and the session's home moves
+        with it. The home keeps near-ties."""
+        others = self.high_water(without(self.candidates(snapshot, request, rng), home.id))
+        if not others:
+            return Decision(home.id, "affinity")
+        p = self.params
+        costs = expected_costs(p.cost, [home, *others], request, home=home.id, placement=False)
+        home_cost, other_costs = costs[0], costs[1:]
+        if min(other_costs) >= home_cost * (1 - p.tie_tolerance) - p.tie_abs_s:
+            return Decision(home.id, "affinity")
+        best = self.pick(others, other_costs, rng)
+        keyed = snapshot.session is not None and snapshot.session.key is not None
+        return Decision(best.id, "rehome_evicted", home=best.id if keyed else None)
 
     # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
     def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:

@@ -45,6 +45,19 @@ def test_results_follow_the_contract_and_affinity_keeps_cache():
     assert sum(ca["decisions"].values()) >= ca["requests_ok"]
 
 
+def test_measured_requests_are_broken_down_by_the_rule_that_placed_them():
+    sim, result = run("coding-agent")
+    by_reason = result["decisions_measured"]
+    assert sum(r["requests"] for r in by_reason.values()) == result["requests_ok"] + result["requests_failed"]
+    assert set(by_reason) <= set(sim.decisions)
+    affinity = by_reason["affinity"]
+    assert 0 < affinity["cache_hit_rate"] <= 1 and 0 < affinity["predicted_hit_rate"] <= 1
+    # The prompt-weighted hit rates of the rules add up to the run's.
+    prompt = sum(r["prompt_tokens"] for r in by_reason.values())
+    hits = sum(r["cache_hit_rate"] * r["prompt_tokens"] for r in by_reason.values() if r["prompt_tokens"])
+    assert abs(hits / prompt - result["cache_hit_rate"]) < 1e-3
+
+
 def test_scale_out_sends_new_sessions_to_fresh_replicas():
     sim, result = run("coding-agent", replicas=6, sessions=40, duration_s=400.0,
                       scale_events=(ScaleEvent(120.0, add=2),))

@@ -192,3 +192,47 @@ def test_batched_costs_equal_one_by_one():
             batch = expected_costs(p, replicas, request, home="r2", placement=placement)
             singles = [expected_cost(p, r, request, is_home=r.id == "r2", placement=placement) for r in replicas]
             assert batch == singles
+
+
+# -- rehome_evicted: the home's cache for the session is gone ------------------------------------
+BLOCKS = tuple(range(1, 50))  # a prompt with prefix blocks: the KV index was consulted
+
+
+def test_home_that_lost_the_sessions_prefix_rehomes_where_it_starts_soonest():
+    # The index says "a" keeps 10k of the 100k-token prompt (the engine evicted the rest): the
+    # request is a near-cold prefill anywhere, and at "a" it would wait behind two queued requests
+    # (still under the high-water marks), so it and the home move to the idle "c".
+    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=2), ReplicaView("b", in_flight=2), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_home_that_lost_the_prefix_moves_to_a_replica_that_holds_it():
+    reps = [ReplicaView("a"), ReplicaView("b", in_flight=1), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 5_000, "b": 95_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("b", "rehome_evicted", "b")
+
+
+def test_home_that_lost_the_prefix_keeps_ties():
+    reps = [ReplicaView("a", in_flight=1), ReplicaView("b", in_flight=1), ReplicaView("c", in_flight=1)]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("a", "affinity", None)
+
+
+@pytest.mark.parametrize("params,cached", [
+    ({}, 60_000),  # the home still holds most of the prompt: it stays home, however busy
+    ({"home_lost_fraction": 0.0}, 0),  # the rule turned off
+])
+def test_home_that_keeps_the_prefix_or_rule_off_stays_home(params, cached):
+    policy = CodingAgent(CodingAgentParams(**params))
+    reps = [ReplicaView("a", in_flight=3), ReplicaView("b"), ReplicaView("c")]
+    d = policy.decide(Snapshot(tuple(reps), SessionView("s1", home="a")),
+                      req(cached={"a": cached}, prefix_blocks=BLOCKS), random.Random(0))
+    assert (d.replica, d.reason, d.home) == ("a", "affinity", None)
+
+
+def test_without_prefix_blocks_the_home_is_not_judged_by_the_index():
+    # No prefix blocks: no index match was made, so an empty cached map says nothing.
+    reps = [ReplicaView("a", in_flight=3), ReplicaView("b"), ReplicaView("c")]
+    d = decide(reps, req(cached={}), SessionView("s1", home="a"))
+    assert (d.replica, d.reason) == ("a", "affinity")
