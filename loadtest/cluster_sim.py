@@ -283,11 +283,11 @@ class ClusterSimulator(SamplingMixin):
             return
         self.decisions[placement.decision.reason] += 1
         url = placement.url
+        prompt = req.prompt_tokens
         record.reason = placement.decision.reason
         record.predicted_cached_tokens = min(prompt, placement.summary.cached_tokens.get(url, 0))
         rid = f"r{next(self._rid)}"
         record.replica = url
-        prompt = req.prompt_tokens
         # Measured from the client's send, so time waiting in the router counts.
         self._flights[rid] = _Flight(req, idx, url, placement, record.start_s, record)
         output = max(1, req.expected_output_tokens)
