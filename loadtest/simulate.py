@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig, replica_name
+from .cluster_sim_dp import DPClusterSimulator
 from .cluster_sim_pd import PDClusterSimulator, split_fleet
 from .report import build_report
 from .workload_config import load_workload
@@ -111,10 +112,16 @@ def _round(value: Any) -> Any:
 
 def layout_problem(args: argparse.Namespace, layout: str, scale: tuple[ScaleEvent, ...]) -> str | None:
     """Why `--layout` cannot run with these arguments (None: it can)."""
+    if getattr(args, "decode_servers", None) is not None and layout != "pd":
+        return "--decode-servers needs --layout pd"
+    if getattr(args, "dp_size", None) is not None and layout != "dp":
+        return "--dp-size needs --layout dp"
     if layout == "colocated":
-        return "--decode-servers needs --layout pd" if getattr(args, "decode_servers", None) else None
+        return None
     if scale:
-        return "--scale is not modelled with --layout pd"
+        return f"--scale is not modelled with --layout {layout}"
+    if layout == "dp":
+        return None if (args.dp_size or 0) >= 2 else "--layout dp needs --dp-size 2 or more"
     try:
         split_fleet(args.replicas, args.decode_servers)
     except ValueError as err:
@@ -127,6 +134,8 @@ def make_simulator(layout: str, args: argparse.Namespace, config: SimConfig, pol
     if layout == "pd":
         return PDClusterSimulator(config, policy, workload, decode_servers=args.decode_servers,
                                   arrivals=arrivals)
+    if layout == "dp":
+        return DPClusterSimulator(config, policy, workload, dp_size=args.dp_size, arrivals=arrivals)
     return ClusterSimulator(config, policy, workload, arrivals=arrivals)
 
 
@@ -173,9 +182,12 @@ def run(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup, "warm_start": not args.cold_start, "page_tokens": args.page_tokens,
         "scale": [e.__dict__ | {"remove": list(e.remove)} for e in scale],
     }
-    if layout != "colocated":  # colocated JSON stays as it always was
+    if layout == "pd":  # colocated JSON stays as it always was
         workload_info["layout"] = layout
         workload_info["decode_servers"] = split_fleet(args.replicas, args.decode_servers)[1]
+    elif layout == "dp":
+        workload_info["layout"] = layout
+        workload_info["dp_size"] = args.dp_size
     if worlds:
         workload_info["worlds"] = [dataclasses.asdict(w) for w in worlds]
         print(world_table(results, worlds, policies))
@@ -214,10 +226,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "F x the profile's; replicas report it, the policy's default is unchanged), "
                         "signal-lag=S (polled signals reach the router S s late), or nominal. "
                         "E.g. --world-perturb speed=0.5 --world-perturb capacity=0.7,signal-lag=2")
-    p.add_argument("--layout", choices=("colocated", "pd"), default="colocated",
-                   help="fleet layout: colocated replicas, or pd: the --replicas servers split into "
-                        "prefill servers (the routed pool) and decode servers (docs/disaggregation.md)")
+    p.add_argument("--layout", choices=("colocated", "pd", "dp"), default="colocated",
+                   help="fleet layout: colocated replicas; pd: the --replicas servers split into "
+                        "prefill servers (the routed pool) and decode servers; dp: replicas of "
+                        "--dp-size attention DP ranks (docs/disaggregation.md)")
     p.add_argument("--decode-servers", type=int,
                    help="with --layout pd: how many of the servers decode (default half)")
+    p.add_argument("--dp-size", type=int,
+                   help="with --layout dp: DP-attention ranks per replica (e.g. 4 with --profile "
+                        "kimi-k2.6-b200-tp4-dp4-fp8kv)")
     p.add_argument("--json", help="write the schema-1 JSON here")
     p.set_defaults(func=run)

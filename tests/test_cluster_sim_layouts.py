@@ -1,5 +1,6 @@
-"""The cluster simulator's prefill/decode layout: the policy places on prefill servers, the live
-router's decode pick on decode servers, each request runs prefill -> KV transfer -> decode."""
+"""The cluster simulator's layouts. Prefill/decode: the policy places on prefill servers, the live
+router's decode pick on decode servers, each request runs prefill -> KV transfer -> decode. DP
+attention: the policy picks the replica from folded signals, the live rank table the rank."""
 
 from __future__ import annotations
 
@@ -86,4 +87,45 @@ def test_bad_layout_arguments_are_one_line():
         proc = subprocess.run([sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", "4",
                                "--duration", "10", "--layout", "pd", *extra],
                               capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- DP attention ----------------------------------------------------------------------------------
+def test_dp_layout_routes_ranks_with_the_live_rank_table():
+    from kvrouter.loadtest.cluster_sim_dp import DPClusterSimulator, fold_ranks
+    from kvrouter.loadtest.profiles import load_profile
+    from kvrouter.sglang_protocol.signals import ReplicaSignals
+
+    profile = "kimi-k2.6-b200-tp4-dp4-fp8kv"
+    sim = DPClusterSimulator(SimConfig(replicas=3, sessions=24, duration_s=240.0, seed=3, profile=profile),
+                             "coding-agent", WL, dp_size=4)
+    result = sim.run()
+    assert result["requests_ok"] > 20 and result["requests_failed"] == 0
+    assert result["layout"] == "dp" and sim.engine.ranks is not None
+    assert len(sim.models) == 12 and sorted(sim.registry.urls()) == ["replica-0000", "replica-0001", "replica-0002"]
+    # the router knows each replica's ranks folded together: four ranks' KV pools
+    per_rank = load_profile(profile).max_total_num_tokens
+    assert all(v.max_total_num_tokens == 4 * per_rank for v in sim.registry.snapshot().replicas)
+    # requests went to several ranks of a replica, and the rank's model ran them
+    served = {url: m.num_requests_total for url, m in sim.models.items()}
+    assert sum(served.values()) >= result["requests_ok"]
+    assert max(sum(1 for r in range(4) if served[f"{u}#dp{r}"] > 0) for u in sim.registry.urls()) >= 2
+    assert result["cache_hit_rate"] > 0.5
+    folded = fold_ranks({0: ReplicaSignals(num_running_reqs=2, token_usage=0.5),
+                         1: ReplicaSignals(num_running_reqs=3, token_usage=0.7)})
+    assert folded.num_running_reqs == 5 and folded.token_usage == 0.7
+
+
+def test_dp_layout_cli_and_its_arguments(tmp_path: Path):
+    path = tmp_path / "dp.json"
+    subprocess.run([sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", "2", "--sessions", "6",
+                    "--duration", "90", "--seed", "2", "--layout", "dp", "--dp-size", "4",
+                    "--profile", "kimi-k2.6-b200-tp4-dp4-fp8kv", "--json", str(path)],
+                   check=True, capture_output=True, timeout=120)
+    workload = json.loads(path.read_bytes())["workload"]
+    assert workload["layout"] == "dp" and workload["dp_size"] == 4
+    for argv, message in ((["--layout", "dp"], "--dp-size 2 or more"), (["--dp-size", "4"], "needs --layout dp"),
+                          (["--layout", "dp", "--dp-size", "4", "--scale", "60:+1"], "not modelled")):
+        proc = subprocess.run([sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", "4",
+                               "--duration", "10", *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
