@@ -124,14 +124,17 @@ class Discovery:
             clean[url] = endpoint._replace(url=url)
         if ignored:
             self.error(source, f"ignoring {', '.join(sorted(ignored))}: endpoints with a role need "
-                               "disaggregation.from_discovery")
+                               "disaggregation.from_discovery", kept_last=False)
         self._sets[source] = clean
         if self.metrics is not None:
             self.metrics.discovery_replicas.labels(source).set(len(clean))
         self._apply(source)
 
-    def error(self, source: str, message: str) -> None:
-        log.warning("discovery %s: %s (keeping its last known replicas)", source, message)
+    def error(self, source: str, message: str, *, kept_last: bool = True) -> None:
+        """A source failed (it keeps its last known replicas), or, `kept_last=False`, some of
+        what it listed cannot be used (the rest is)."""
+        suffix = " (keeping its last known replicas)" if kept_last else ""
+        log.warning("discovery %s: %s%s", source, message, suffix)
         if self.metrics is not None:
             self.metrics.discovery_errors.labels(source).inc()
 
@@ -170,7 +173,8 @@ class Discovery:
     def _apply(self, source: str) -> None:
         conflicts = self._conflicts()
         if conflicts:
-            self.error(source, f"{sorted(conflicts)} listed as decode by one source and not by another")
+            self.error(source, f"{sorted(conflicts)} listed as decode by one source and not by "
+                               "another: used as neither", kept_last=False)
         desired = self.desired
         changed = False
         if self.pd is not None:  # before the prefill servers join: their ports must be known
