@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .cluster_sim import ClusterSimulator, ScaleEvent, SimConfig, replica_name
+from .cluster_sim_dp import DPClusterSimulator
+from .cluster_sim_pd import PDClusterSimulator, split_fleet
 from .report import build_report
 from .workload_config import load_workload
 from .world import World, WorldSpecError, parse_world
@@ -108,6 +110,35 @@ def _round(value: Any) -> Any:
     return value
 
 
+def layout_problem(args: argparse.Namespace, layout: str, scale: tuple[ScaleEvent, ...]) -> str | None:
+    """Why `--layout` cannot run with these arguments (None: it can)."""
+    if getattr(args, "decode_servers", None) is not None and layout != "pd":
+        return "--decode-servers needs --layout pd"
+    if getattr(args, "dp_size", None) is not None and layout != "dp":
+        return "--dp-size needs --layout dp"
+    if layout == "colocated":
+        return None
+    if scale:
+        return f"--scale is not modelled with --layout {layout}"
+    if layout == "dp":
+        return None if (args.dp_size or 0) >= 2 else "--layout dp needs --dp-size 2 or more"
+    try:
+        split_fleet(args.replicas, args.decode_servers)
+    except ValueError as err:
+        return f"--layout pd: {err}"
+    return None
+
+
+def make_simulator(layout: str, args: argparse.Namespace, config: SimConfig, policy: str,
+                   workload: Any, arrivals: Any) -> ClusterSimulator:
+    if layout == "pd":
+        return PDClusterSimulator(config, policy, workload, decode_servers=args.decode_servers,
+                                  arrivals=arrivals)
+    if layout == "dp":
+        return DPClusterSimulator(config, policy, workload, dp_size=args.dp_size, arrivals=arrivals)
+    return ClusterSimulator(config, policy, workload, arrivals=arrivals)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         worlds = [parse_world(spec) for spec in args.world_perturb or ()]
@@ -116,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workload = load_workload(args.workload)
     scale = tuple(parse_scale(s, args.replicas) for s in args.scale or ())
+    layout = getattr(args, "layout", "colocated")
+    problem = layout_problem(args, layout, scale)
+    if problem:
+        print(f"kvrouter simulate: {problem}", file=sys.stderr)
+        return 2
     config = SimConfig(
         replicas=args.replicas, profile=args.profile, duration_s=args.duration, seed=args.seed,
         sessions=args.sessions, poll_interval_s=args.poll_interval, warmup_s=args.warmup,
@@ -132,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     for world in worlds or [World()]:
         for policy in policies:
             started = time.perf_counter()
-            sim = ClusterSimulator(dataclasses.replace(config, world=world), policy, workload,
-                                   arrivals=arrivals_for() if arrivals_for else None)
+            sim = make_simulator(layout, args, dataclasses.replace(config, world=world), policy, workload,
+                                 arrivals_for() if arrivals_for else None)
             name = world_key(policy, world) if worlds else policy
             results[name] = _round(sim.run())
             wall = time.perf_counter() - started
@@ -146,6 +182,12 @@ def run(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup, "warm_start": not args.cold_start, "page_tokens": args.page_tokens,
         "scale": [e.__dict__ | {"remove": list(e.remove)} for e in scale],
     }
+    if layout == "pd":  # colocated JSON stays as it always was
+        workload_info["layout"] = layout
+        workload_info["decode_servers"] = split_fleet(args.replicas, args.decode_servers)[1]
+    elif layout == "dp":
+        workload_info["layout"] = layout
+        workload_info["dp_size"] = args.dp_size
     if worlds:
         workload_info["worlds"] = [dataclasses.asdict(w) for w in worlds]
         print(world_table(results, worlds, policies))
@@ -184,5 +226,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "F x the profile's; replicas report it, the policy's default is unchanged), "
                         "signal-lag=S (polled signals reach the router S s late), or nominal. "
                         "E.g. --world-perturb speed=0.5 --world-perturb capacity=0.7,signal-lag=2")
+    p.add_argument("--layout", choices=("colocated", "pd", "dp"), default="colocated",
+                   help="fleet layout: colocated replicas; pd: the --replicas servers split into "
+                        "prefill servers (the routed pool) and decode servers; dp: replicas of "
+                        "--dp-size attention DP ranks (docs/disaggregation.md)")
+    p.add_argument("--decode-servers", type=int,
+                   help="with --layout pd: how many of the servers decode (default half)")
+    p.add_argument("--dp-size", type=int,
+                   help="with --layout dp: DP-attention ranks per replica (e.g. 4 with --profile "
+                        "kimi-k2.6-b200-tp4-dp4-fp8kv)")
     p.add_argument("--json", help="write the schema-1 JSON here")
     p.set_defaults(func=run)

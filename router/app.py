@@ -27,7 +27,7 @@ from .admission_gate import AdmissionGate
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import ConfigError, DisaggregationConfig, RouterConfig
 from .decision_log import DecisionLog, worker_path
-from .decode_pool import DecodePool
+from .decode_pool import DecodePool, DiscoveredPDFleet
 from .discovery import discovery_ctx
 from .engine import RoutingEngine
 from .handlers import Handlers
@@ -274,7 +274,10 @@ class Router:
         app.router.add_route("*", "/{tail:.*}", h.handle_unrouted, **expect)
         app.cleanup_ctx.append(self._lifecycle)
         # After _lifecycle, so it stops first.
-        app.cleanup_ctx.append(discovery_ctx(self.config.discovery, self.membership, self.metrics))
+        pd = None
+        if self.decode_pool is not None and self.relay.pd is not None:
+            pd = DiscoveredPDFleet(self.decode_pool, self.relay.pd.discovered_ports)
+        app.cleanup_ctx.append(discovery_ctx(self.config.discovery, self.membership, self.metrics, pd))
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:

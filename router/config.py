@@ -406,6 +406,11 @@ class DisaggregationConfig(_Strict):
 
     prefill: tuple[PrefillServer, ...] = Field((), description="Prefill servers (the policy's replica pool).")
     decode: tuple[ReplicaUrl, ...] = Field((), description="Decode servers.")
+    from_discovery: bool = Field(
+        False, description="A PD fleet found by discovery: endpoints tagged `role: decode` join the decode "
+        "servers, the others (`role: prefill` or untagged) the prefill servers. The static lists may then be "
+        "empty; /ready waits for a healthy member of each pool.",
+    )
 
     @field_validator("prefill", mode="before")
     @classmethod
@@ -416,8 +421,9 @@ class DisaggregationConfig(_Strict):
 
     @model_validator(mode="after")
     def _both_pools(self) -> DisaggregationConfig:
-        if bool(self.prefill) != bool(self.decode):
-            raise ValueError("prefill and decode servers go together: give at least one of each")
+        if bool(self.prefill) != bool(self.decode) and not self.from_discovery:
+            raise ValueError("prefill and decode servers go together: give at least one of each "
+                             "(or set from_discovery: true)")
         overlap = {p.url for p in self.prefill} & set(self.decode)
         if overlap:
             raise ValueError(f"a server cannot be both prefill and decode: {sorted(overlap)}")
@@ -425,7 +431,7 @@ class DisaggregationConfig(_Strict):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.prefill)
+        return bool(self.prefill) or self.from_discovery
 
     def bootstrap_port(self, url: str) -> int:
         """The bootstrap port of prefill server `url` (SGLang's default for one not listed)."""
@@ -459,6 +465,13 @@ class RouterConfig(_Strict):
     def _ranks_need_rank_loads(self) -> RouterConfig:
         if self.routing.dp_size > 1 and self.signals.source != "loads":
             raise ValueError("routing.dp_size > 1 needs signals.source: loads (per-rank /v1/loads)")
+        return self
+
+    @model_validator(mode="after")
+    def _discovered_pd_needs_discovery(self) -> RouterConfig:
+        if self.disaggregation.from_discovery and not self.discovery.enabled:
+            raise ValueError("disaggregation.from_discovery needs a discovery source (discovery.file or "
+                             "discovery.kubernetes)")
         return self
 
     @model_validator(mode="before")

@@ -72,23 +72,34 @@ class DecodePool:
     def __init__(
         self, urls: Iterable[str], metrics: RouterMetrics, rng: random.Random, failure_threshold: int = 3
     ) -> None:
+        urls = list(urls)
+        self.static = set(urls)  # the config's list; discovered servers come and go apart
         self.registry = ReplicaRegistry(urls, failure_threshold)
         self.metrics = metrics
         self.rng = rng
 
+    def add(self, url: str) -> bool:
+        """A decode server joins; False if it is already there."""
+        if not self.registry.add(url, fresh=False):
+            return False
+        self.metrics.replica_healthy.labels(url).set(1)
+        return True
+
+    def remove(self, url: str) -> bool:
+        """A decode server leaves (a request on it finishes; its slot is released on the old
+        registration); False if unknown."""
+        if not self.registry.remove(url):
+            return False
+        self.metrics.forget_replica(url)  # every series labelled with it
+        return True
+
     def set_urls(self, urls: Iterable[str]) -> list[str]:
-        """A reloaded decode list: new servers join, missing ones leave (a request on one
-        finishes; its slot is released on the old registration). Returns what changed."""
+        """A reloaded decode list: new servers join, ones the old list had and this one has
+        not leave (discovered servers stay). Returns what changed."""
         urls = list(urls)
-        changes = []
-        for url in urls:
-            if self.registry.add(url, fresh=False):
-                self.metrics.replica_healthy.labels(url).set(1)
-                changes.append(f"+decode {url}")
-        for url in set(self.registry.urls()) - set(urls):
-            if self.registry.remove(url):
-                self.metrics.forget_replica(url)  # every series labelled with it
-                changes.append(f"-decode {url}")
+        changes = [f"+decode {url}" for url in urls if self.add(url)]
+        changes += [f"-decode {url}" for url in sorted(self.static - set(urls)) if self.remove(url)]
+        self.static = set(urls)
         return changes
 
     def place(self, exclude: frozenset[str], prompt_tokens: int) -> DecodeSlot | None:
@@ -99,3 +110,22 @@ class DecodePool:
         m = self.metrics
         m.child(m.decisions, "decode", decision.reason).inc()
         return DecodeSlot(self, decision.replica, prompt_tokens)
+
+
+class DiscoveredPDFleet:
+    """Discovery's hold on a disaggregated fleet besides the routed pool
+    (router/discovery.py `PDMembership`): the decode pool and the prefill bootstrap ports."""
+
+    def __init__(self, pool: DecodePool, bootstrap_ports: dict[str, int]) -> None:
+        self.pool = pool
+        self.bootstrap_ports = bootstrap_ports  # shared with the PD relay, which reads it
+
+    def add_decode(self, url: str) -> bool:
+        return self.pool.add(url)
+
+    def remove_decode(self, url: str) -> bool:
+        return self.pool.remove(url)
+
+    def set_bootstrap_ports(self, ports: dict[str, int]) -> None:
+        self.bootstrap_ports.clear()
+        self.bootstrap_ports.update(ports)

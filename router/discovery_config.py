@@ -44,7 +44,16 @@ class KubernetesDiscoveryConfig(_Strict):
     endpoints whose `conditions.ready` is not false are used, so a terminating or unready pod
     stops getting new work at once while its in-flight requests finish."""
 
-    service: str = Field(..., min_length=1, description="Name of the Service whose EndpointSlices are watched.")
+    service: str = Field(..., min_length=1, description="Name of the Service whose EndpointSlices are watched "
+                         "(with `decode_service`: the prefill servers).")
+    decode_service: str | None = Field(
+        None, min_length=1, description="A disaggregated fleet's decode Service: its endpoints become decode "
+        "servers (needs disaggregation.from_discovery). Both Services are watched in one list/watch.",
+    )
+    bootstrap_port_name: str = Field(
+        "bootstrap", min_length=1, description="Name of the EndpointSlice port that is a prefill server's "
+        "SGLang bootstrap port (--disaggregation-bootstrap-port); never taken as the HTTP port. Without it: 8998.",
+    )
     namespace: str | None = Field(
         None, description="Namespace of the Service; default: the pod's own (service-account `namespace` file)."
     )
@@ -86,4 +95,6 @@ class DiscoveryConfig(_Strict):
         k = self.kubernetes
         if k is not None and k.api_server is not None and not k.api_server.startswith(("http://", "https://")):
             raise ValueError(f"kubernetes.api_server {k.api_server!r} must be an http(s):// URL")
+        if k is not None and k.decode_service == k.service:
+            raise ValueError("kubernetes.decode_service must differ from kubernetes.service")
         return self

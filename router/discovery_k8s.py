@@ -17,6 +17,10 @@ In-cluster auth: the bearer token (re-read at every request, as bound tokens rot
 the service-account directory; the API address from ``KUBERNETES_SERVICE_HOST``/``_PORT``.
 Endpoints whose ``conditions.ready`` is false (unready or terminating pods) are left out, so they
 are drained at once; a missing condition counts as ready, as the API documents.
+
+A disaggregated fleet is two Services, prefill and decode, watched together with the set-based
+selector ``kubernetes.io/service-name in (<prefill>,<decode>)``; a slice's role is its Service
+(the same label). A prefill slice's port named ``bootstrap_port_name`` is the bootstrap port.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .discovery import Publish
+from .discovery import Endpoint, Publish, Role
 from .discovery_config import KubernetesDiscoveryConfig
 
 LIST_PAGE = 500
+SERVICE_LABEL = "kubernetes.io/service-name"  # set on every EndpointSlice by its controller
 
 
 class Gone(Exception):
@@ -59,8 +64,11 @@ class KubernetesSource:
             )
         self.api = (config.api_server or self._in_cluster_api()).rstrip("/")
         self.path = f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
-        self.selector = f"kubernetes.io/service-name={config.service}"
-        self.slices: dict[str, set[str]] = {}
+        if config.decode_service is None:
+            self.selector = f"{SERVICE_LABEL}={config.service}"
+        else:
+            self.selector = f"{SERVICE_LABEL} in ({config.service},{config.decode_service})"
+        self.slices: dict[str, set[Endpoint]] = {}
         self.resource_version: str | None = None
         self.lists = 0  # how many times the slices were listed (tests)
         self._gone_after_list = False
@@ -98,17 +106,29 @@ class KubernetesSource:
             return ssl.create_default_context(cafile=str(self.ca_path))
         return ssl.create_default_context()
 
-    # -- EndpointSlice -> URLs -------------------------------------------------------------------
-    def slice_urls(self, obj: dict[str, Any]) -> set[str]:
+    # -- EndpointSlice -> endpoints ---------------------------------------------------------------
+    def slice_role(self, obj: dict[str, Any]) -> Role | None:
+        """None for a colocated fleet's slices; in a PD fleet, the role of the slice's Service."""
+        c = self.config
+        if c.decode_service is None:
+            return None
+        service = ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL)
+        return "decode" if service == c.decode_service else "prefill"
+
+    def slice_urls(self, obj: dict[str, Any]) -> set[Endpoint]:
         c = self.config
         port = c.port
-        if port is None:
-            for p in obj.get("ports") or []:
-                if c.port_name is None or p.get("name") == c.port_name:
-                    port = p.get("port")
-                    break
+        bootstrap = None
+        for p in obj.get("ports") or []:
+            if p.get("name") == c.bootstrap_port_name:
+                bootstrap = p.get("port")
+            elif port is None and (c.port_name is None or p.get("name") == c.port_name):
+                port = p.get("port")
         if port is None:
             return set()
+        role = self.slice_role(obj)
+        if role != "prefill":
+            bootstrap = None
         ipv6 = obj.get("addressType") == "IPv6"
         urls = set()
         for endpoint in obj.get("endpoints") or []:
@@ -116,11 +136,11 @@ class KubernetesSource:
                 continue
             for address in endpoint.get("addresses") or []:
                 host = f"[{address}]" if ipv6 else address
-                urls.add(f"{c.scheme}://{host}:{port}")
+                urls.add(Endpoint(f"{c.scheme}://{host}:{port}", role, bootstrap))
         return urls
 
-    def current(self) -> set[str]:
-        out: set[str] = set()
+    def current(self) -> set[Endpoint]:
+        out: set[Endpoint] = set()
         for urls in self.slices.values():
             out |= urls
         return out

@@ -88,7 +88,15 @@ class PDForwarder:
         self.dp_size = dp_size  # the prefill servers' DP-attention ranks
         self.decode = decode
         self.config = config
+        self.discovered_ports: dict[str, int] = {}  # discovered prefill servers' bootstrap ports
         self.rng = rng or random.SystemRandom()
+
+    def bootstrap_port(self, url: str) -> int:
+        """Prefill server `url`'s bootstrap port: the config's for a listed server, else what
+        discovery found, else SGLang's default."""
+        if any(p.url == url for p in self.config.prefill) or url not in self.discovered_ports:
+            return self.config.bootstrap_port(url)
+        return self.discovered_ports[url]
 
     async def attempts(
         self,
@@ -123,7 +131,7 @@ class PDForwarder:
             try:
                 await prefill.confirm_home(route.store)
                 room = self.rng.getrandbits(ROOM_BITS)
-                port = self.config.bootstrap_port(prefill.url)
+                port = self.bootstrap_port(prefill.url)
                 if prefill.rank is not None:  # the decode side finds the KV on rank room % dp
                     room = room_for_rank(room, prefill.rank, self.dp_size)
                 # routed_dp_rank names the prefill server's rank; the decode server picks its own

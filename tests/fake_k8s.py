@@ -23,6 +23,7 @@ SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 def endpoint_slice(
     name: str, service: str, addresses: list[str], *, port: int = 30000, port_name: str = "http",
     ready: dict[str, bool] | None = None, address_type: str = "IPv4", rv: int = 1,
+    bootstrap_port: int | None = None,
 ) -> dict[str, Any]:
     ready = ready or {}
     return {
@@ -36,14 +37,30 @@ def endpoint_slice(
                                                "terminating": not ready.get(a, True)}}
             for a in addresses
         ],
-        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+        "ports": ([{"name": "bootstrap", "port": bootstrap_port, "protocol": "TCP"}] if bootstrap_port else [])
+        + [{"name": port_name, "port": port, "protocol": "TCP"}],
     }
+
+
+def selected_services(selector: str) -> set[str]:
+    """The Services a `kubernetes.io/service-name` selector names: `=name` or `in (a,b)`."""
+    key = "kubernetes.io/service-name"
+    if selector.startswith(key + "="):
+        return {selector[len(key) + 1:]}
+    if selector.startswith(key + " in (") and selector.endswith(")"):
+        return {name.strip() for name in selector[len(key) + 5:-1].split(",")}
+    return set()
+
+
+def _service(obj: dict[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get("kubernetes.io/service-name")
 
 
 @dataclass
 class FakeKubeAPI:
     namespace: str = "inference"
     service: str = "sglang"
+    other_services: tuple[str, ...] = ()  # more Services a selector may name (a PD fleet's decode)
     token: str = "test-token"
     slices: dict[str, dict[str, Any]] = field(default_factory=dict)
     resource_version: int = 100
@@ -84,14 +101,15 @@ class FakeKubeAPI:
             self.unauthorized += 1
             return web.json_response({"kind": "Status", "code": 401, "reason": "Unauthorized"}, status=401)
         q = request.query
-        if q.get("labelSelector") != f"kubernetes.io/service-name={self.service}":
+        services = selected_services(q.get("labelSelector") or "")
+        if not services or not services <= {self.service, *self.other_services}:
             return web.json_response({"kind": "Status", "code": 400, "message": "bad selector"}, status=400)
         if q.get("watch") not in ("1", "true"):
             self.lists += 1
             return web.json_response({
                 "kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
                 "metadata": {"resourceVersion": str(self.resource_version)},
-                "items": list(self.slices.values()),
+                "items": [s for s in self.slices.values() if _service(s) in services],
             })
         self.watches.append(dict(q))
         rv = int(q.get("resourceVersion") or 0)
@@ -103,6 +121,8 @@ class FakeKubeAPI:
         await resp.prepare(request)
         while True:
             event = await self.events.get()
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED") and _service(event["object"]) not in services:
+                continue  # not selected: a real API server filters it out too
             await resp.write(orjson.dumps(event) + b"\n")
             if event["type"] == "ERROR":
                 await resp.write_eof()

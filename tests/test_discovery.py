@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvrouter.router.app import Router
 from kvrouter.router.config import ConfigError, parse_config
-from kvrouter.router.discovery import Discovery, parse_replica_list
+from kvrouter.router.discovery import Discovery, Endpoint, parse_replica_list
 from kvrouter.router.discovery_config import DNSDiscoveryConfig, KubernetesDiscoveryConfig
 from kvrouter.router.discovery_dns import DNSSource, address_url
 from kvrouter.router.discovery_k8s import KubernetesSource
@@ -270,13 +270,19 @@ def test_endpoint_slice_ports_and_families(tmp_path: Path):
                                   api_server="http://127.0.0.1:1", port_name="metrics"),
         lambda s, m: None,
     )
+    def urls(obj) -> set[str]:
+        return {e.url for e in src.slice_urls(obj)}
+
     obj = endpoint_slice("x", "s", ["fd00::1"], address_type="IPv6", port=9000, port_name="metrics")
-    assert src.slice_urls(obj) == {"http://[fd00::1]:9000"}
+    assert urls(obj) == {"http://[fd00::1]:9000"}
     obj["ports"][0]["name"] = "other"
-    assert src.slice_urls(obj) == set()  # the named port is not in this slice
+    assert urls(obj) == set()  # the named port is not in this slice
     del obj["endpoints"][0]["conditions"]  # no conditions: ready (API semantics)
     src.config = src.config.model_copy(update={"port_name": None})
-    assert src.slice_urls(obj) == {"http://[fd00::1]:9000"}
+    assert urls(obj) == {"http://[fd00::1]:9000"}
+    # a bootstrap port listed first is never the HTTP port; a colocated fleet's endpoints have no role
+    obj = endpoint_slice("y", "s", ["10.0.0.1"], bootstrap_port=8998)
+    assert src.slice_urls(obj) == {Endpoint("http://10.0.0.1:30000")}
     with pytest.raises(ValueError, match="namespace"):
         KubernetesSource(KubernetesDiscoveryConfig(service="s", service_account_dir=str(tmp_path / "no"),
                                                    api_server="http://x"), lambda s, m: None)
