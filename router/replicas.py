@@ -30,6 +30,11 @@ assert all(f.init for f in dataclasses.fields(ReplicaView))
 assert not hasattr(ReplicaView, "__post_init__")
 
 
+def _same(a: object, b: object) -> bool:
+    """Equal and of one type (0 and 0.0, or False and 0, are different gauge values)."""
+    return type(a) is type(b) and a == b
+
+
 def _replaced(view: ReplicaView, changes: dict[str, Any]) -> ReplicaView:
     """`dataclasses.replace(view, **changes)`, faster."""
     values = list(_view_values(view))
@@ -140,7 +145,14 @@ class ReplicaRegistry:
     # -- polled signals and session totals -----------------------------------------------------
     def update_signals(self, url: str, signals: ReplicaSignals | None) -> None:
         """New polled signals, or None when they went stale (unknown)."""
+        view = self._views.get(url)
+        if view is None:
+            return
         values = {f: (getattr(signals, f) if signals is not None else None) for f in _SIGNAL_FIELDS}
+        # Most polls repeat the last gauges (SGLang refreshes them only every few dozen steps):
+        # keep the view, and the cached snapshot, when nothing would change.
+        if all(_same(getattr(view, f), v) for f, v in values.items()):
+            return
         self._update(url, **values)
 
     def set_homed(self, url: str, sessions: int, tokens: int) -> None:

@@ -37,3 +37,17 @@ def test_each_change_keeps_every_other_field():
     snapshot = registry.snapshot()
     assert snapshot.healthy_count == 1 and snapshot.healthy_load == 0
     assert snapshot.replicas == (expected, ReplicaView(id=B))
+
+
+def test_a_poll_that_repeats_the_gauges_keeps_the_view_and_snapshot():
+    registry = ReplicaRegistry([A, B])
+    signals = ReplicaSignals(num_running_reqs=2, num_queue_reqs=0, token_usage=0.0,
+                             num_used_tokens=0, max_total_num_tokens=100, cache_hit_rate=0.5)
+    registry.update_signals(A, signals)
+    view, snapshot = registry.view(A), registry.snapshot()
+    registry.update_signals(A, dataclasses.replace(signals))
+    assert registry.view(A) is view and registry.snapshot() is snapshot
+    registry.update_signals(A, dataclasses.replace(signals, token_usage=0))  # 0, not 0.0
+    assert type(registry.view(A).token_usage) is int and registry.snapshot() is not snapshot
+    registry.update_signals(A, None)  # stale: unknown again
+    assert registry.view(A).num_running_reqs is None and registry.view(A).load == 0
