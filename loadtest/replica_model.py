@@ -194,6 +194,11 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
         self.signals.idle(self._now, self._pool_state(0))  # idle: the clear is published at once
         return True
 
+    def requests(self) -> int:
+        """Running plus queued requests as of the last processed event: `load()`'s
+        num_running_reqs + num_queue_reqs without building the rest of it."""
+        return len(self._active) + len(self._waiting)
+
     def load(self, now: float) -> ReplicaLoad:
         """Gauges as of the last processed event (call advance(now) first)."""
         p = self.profile
