@@ -18,8 +18,7 @@ class SamplingMixin:
     def _sample(self: ClusterSimulator) -> None:
         if self.now < self.config.warmup_s:
             return
-        loads = [m.load(self.now) for m in self.models.values()]
-        running = [float(x.num_running_reqs + x.num_queue_reqs) for x in loads]
+        running = [float(m.requests()) for m in self.models.values()]
         if not running:
             return
         self.load_samples.append(running)

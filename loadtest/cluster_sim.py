@@ -192,7 +192,8 @@ class ClusterSimulator(SamplingMixin):
 
     # -- replicas ----------------------------------------------------------------------------------
     def _add_replica(self, url: str, *, fresh: bool) -> None:
-        self.models[url] = ReplicaModel(self.profile)
+        # The router polls /metrics only (signals_of): no /v1/loads snapshot to keep.
+        self.models[url] = ReplicaModel(self.profile, publish_loads=False)
         self.engine.add_replica(url, self.now, fresh=fresh)
         self._dirty.add(url)  # the router hears of its signals (and capacity) at the next poll
 

@@ -70,7 +70,10 @@ class RequestTooLarge(ValueError):
     request up front (a 400), it does not queue it forever."""
 
 class ReplicaModel(DecodeMixin, PublishingMixin):
-    def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None) -> None:
+    def __init__(self, profile: Profile, *, kv_sink: KVSink | None = None,
+                 publish_loads: bool = True) -> None:
+        """`publish_loads=False`: no ``/v1/loads`` snapshot is kept (`published_loads` refuses),
+        for a driver that reads only ``/metrics``, as the cluster simulator's poller does."""
         self.profile = profile
         # KV events wait in the deferred sink until SGLang would flush them (replica_signals).
         self._kv = DeferredKVSink(kv_sink) if kv_sink is not None else None
@@ -120,7 +123,7 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
         self._batch_hit_rate = 0.0
         self._prefill_running = 0
         self._seg_done = 0  # steps of the current segment already seen by the signals
-        self.signals = SignalState(profile, self._pool_state(0), self._kv)
+        self.signals = SignalState(profile, self._pool_state(0), self._kv, publish_loads=publish_loads)
 
     # ---- public API ----------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
@@ -190,6 +193,11 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
         self.cache.flush()
         self.signals.idle(self._now, self._pool_state(0))  # idle: the clear is published at once
         return True
+
+    def requests(self) -> int:
+        """Running plus queued requests as of the last processed event: `load()`'s
+        num_running_reqs + num_queue_reqs without building the rest of it."""
+        return len(self._active) + len(self._waiting)
 
     def load(self, now: float) -> ReplicaLoad:
         """Gauges as of the last processed event (call advance(now) first)."""
@@ -366,7 +374,7 @@ class ReplicaModel(DecodeMixin, PublishingMixin):
     def _complete_prefill(self, t: float) -> None:
         ps = self._ps
         left = sum(r.ctx - r.filled - n for r, n in self._prefill_items if r is self._chunked)
-        self.signals.prefill_result(t, self._pool_state(len(self._decoding), chunk_left=left))
+        self.signals.prefill_result(t, lambda: self._pool_state(len(self._decoding), chunk_left=left))
         for r, n in self._prefill_items:
             if r.state != PREFILL:
                 continue  # aborted meanwhile

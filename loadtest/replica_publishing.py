@@ -47,7 +47,10 @@ class PublishingMixin:
     def published_loads(self: ReplicaModel, now: float) -> PublishedLoads:
         """The ``/v1/loads`` snapshot as SGLang last published it (call advance(now) first)."""
         self._settle_idle(now)
-        return self.signals.loads
+        loads = self.signals.loads
+        if loads is None:
+            raise RuntimeError("this replica model was built with publish_loads=False")
+        return loads
 
     def _pool_state(self: ReplicaModel, running: int, extra_pages: int = 0, decode_sum: int = 0,
                     chunk_left: int = 0) -> PoolState:

@@ -121,9 +121,14 @@ class DeferredKVSink:
 class SignalState:
     """Published metrics and loads of one replica, and the counters of SGLang's cadence."""
 
-    def __init__(self, profile: Profile, initial: PoolState, kv: DeferredKVSink | None) -> None:
+    def __init__(self, profile: Profile, initial: PoolState, kv: DeferredKVSink | None,
+                 *, publish_loads: bool = True) -> None:
+        """`publish_loads=False`: keep no ``/v1/loads`` snapshot (`loads` stays None), for a
+        driver that only reads ``/metrics``; building it at every publish point costs time, and
+        nothing else published depends on it."""
         self.profile = profile
         self.kv = kv
+        self.publish_loads = publish_loads
         self.spec_on = profile.spec_verify_tokens > 1
         self.forward_ct_decode = 0  # decode iterations, never reset (report_decode_stats modulo)
         self.loads_counter = 0  # decode results since the last load-snapshot publish
@@ -137,7 +142,7 @@ class SignalState:
         self.retraction_state: Callable[[], RetractionState] | None = None
         self._retractions_reported = 0
         self.metrics = self._metrics(0.0, initial, 0.0, 0.0)
-        self.loads = self._loads(0.0, initial)
+        self.loads: PublishedLoads | None = self._loads(0.0, initial) if publish_loads else None
 
     # -- values -----------------------------------------------------------------------------------
     def _usage(self, used: int) -> float:
@@ -215,11 +220,13 @@ class SignalState:
             self.kv.release()
 
     # -- SGLang's points --------------------------------------------------------------------------
-    def prefill_result(self, t: float, before: PoolState) -> None:
+    def prefill_result(self, t: float, before: Callable[[], PoolState]) -> None:
         """process_batch_result on a prefill batch: the forced load-snapshot publish, before the
-        result is processed (the batch's requests are then neither waiting nor running)."""
+        result is processed (the batch's requests are then neither waiting nor running).
+        `before()` gives that state; it is only read when loads are published."""
         self.idle_since = None
-        self.loads = self._loads(t, before)
+        if self.publish_loads:
+            self.loads = self._loads(t, before())
         self.loads_counter = 0
 
     def prefill_report(self, t: float, after: PoolState, hit_rate: float) -> None:
@@ -250,7 +257,7 @@ class SignalState:
         # d = steps into this call: a report at every d with (forward_ct_decode + d) % interval
         # == 0; a load publish when the counter reaches `every` (then it restarts from 0).
         report_d = interval - self.forward_ct_decode % interval
-        publish_d = max(1, every - self.loads_counter)
+        publish_d = max(1, every - self.loads_counter) if self.publish_loads else n + 1
         while min(report_d, publish_d) <= n:
             d = min(report_d, publish_d)
             j = first + d - 1
@@ -278,7 +285,8 @@ class SignalState:
         the metrics refresh waits for settle_idle."""
         if self.idle_since is None:
             self.idle_since = t
-        self.loads = self._loads(t, state)
+        if self.publish_loads:
+            self.loads = self._loads(t, state)
         self.loads_counter = 0
         self._flush_kv()
 

@@ -4,7 +4,8 @@ A page covers `page_size` positions of the concatenated segments; its key chains
 page's key with the (segment key, start, end) pieces it covers, so equal segment keys give equal
 pages (the shared system prompt is shared across sessions) and an edited segment changes every
 page from it on. Keys are cached per session and extended turn by turn: a turn that only appends
-hashes its new pages alone.
+hashes its new pages alone. The pages inside a leading segment marked `shared` (the system prompt,
+the same in every session) are hashed once per cache, not once per session.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .turn_request import Segment
 
 _MASK = (1 << 64) - 1
 _TWO64 = 1 << 64
+_MAX_SHARED = 4096  # shared leading segments whose page keys are kept (a trace may have many)
 _LO_HI = (1 << 32) + 1  # lo * _LO_HI + page == (lo << 32) | (lo + page) while lo + page < 2**32
 
 
@@ -47,6 +49,8 @@ class SegmentKeyCache:
         self.page_size = page_size
         self.root = _chain(0, [(namespace, 0, 0)])
         self._last: dict[str, tuple[list[str], list[int], list[int]]] = {}
+        # (key, tokens) of a shared leading segment -> the keys of its whole pages
+        self._shared: dict[tuple[str, int], list[int]] = {}
 
     def forget(self, session: str) -> None:
         self._last.pop(session, None)
@@ -68,10 +72,19 @@ class SegmentKeyCache:
             keys = old_keys[:reuse_pages]
         else:
             keys = []
+        first = segments[0] if segments else None
+        shared = None
+        if first is not None and first.shared:
+            shared_id = (names[0], sizes[0])
+            shared = self._shared.get(shared_id)
+            if shared is not None and len(shared) > reuse_pages:
+                # A page inside the first segment depends on it alone: same keys in any session.
+                keys = list(shared)
+                reuse_pages = len(shared)
         total = sum(sizes)
         page = self.page_size
         parent = keys[-1] if keys else self.root
-        mask = _MASK
+        mask, two64 = _MASK, _TWO64
         append = keys.append
         seg, seg_start = 0, 0  # index of the segment holding position `pos`, and where it starts
         pos = reuse_pages * page
@@ -94,7 +107,7 @@ class SegmentKeyCache:
                     h = (u ^ h0) * 0x9E3779B97F4A7C15 & mask
                     h = (h ^ (h >> 29) ^ v) * 0xBF58476D1CE4E5B9 & mask
                     u = h ^ (h >> 32)
-                    append(u - _TWO64 if u >> 63 else u)
+                    append(u - two64 if u >> 63 else u)
                 if n:
                     parent = keys[-1]
                 pos += n * page
@@ -117,5 +130,7 @@ class SegmentKeyCache:
             keys.append(parent)
             pos = end
             seg, seg_start = s, s_start
+        if first is not None and first.shared and shared is None and len(self._shared) < _MAX_SHARED:
+            self._shared[shared_id] = keys[: sizes[0] // page]
         self._last[session] = (names, sizes, keys)
         return keys

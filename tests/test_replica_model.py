@@ -554,3 +554,17 @@ def test_random_churn_keeps_the_books_balanced():
     assert model.num_requests_total == len(finished)
     assert model.cached_tokens_host_total > 0 and model.evicted_tokens_total > 0
     assert model._est_sum == 0
+
+
+def test_requests_counts_running_and_queued_as_load_does():
+    model = ReplicaModel(TINY)  # 8 slots
+    for i in range(12):
+        model.submit(request(f"r{i}", tokens(i, 300), 40 + 10 * i)[0], 0.0)
+    seen = set()
+    while model.next_event_time() is not None:
+        t = model.next_event_time()
+        model.advance(t)
+        load = model.load(t)
+        assert model.requests() == load.num_running_reqs + load.num_queue_reqs
+        seen.add((load.num_running_reqs > 0, load.num_queue_reqs > 0))
+    assert (True, True) in seen and model.requests() == 0

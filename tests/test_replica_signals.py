@@ -228,3 +228,25 @@ def test_retraction_gauges_are_set_at_prefill_reports_only():
             assert m.new_token_ratio == reports[-1][0]
     assert model.num_retracted_reqs_total > 0
     assert max(published) > 0 and published[-1] == 0
+
+
+def test_a_model_without_loads_publishes_the_same_metrics_and_refuses_loads():
+    """The cluster simulator polls /metrics only, so its models keep no /v1/loads snapshot;
+    everything else they publish and schedule is unchanged."""
+    with_loads, without = ReplicaModel(PLAIN), ReplicaModel(PLAIN, publish_loads=False)
+    shared = request("a", 300, 700, seed=1)[1][:256]
+    for model in (with_loads, without):
+        model.submit(request("a", 300, 700, seed=1)[0], 0.0)
+        model.submit(request("b", 500, 90, seed=2, prefix=shared)[0], 0.05)
+    seen = {id(with_loads): [], id(without): []}
+    t = 0.0
+    while t < 30.0:
+        for model in (with_loads, without):
+            events = model.advance(t)
+            seen[id(model)].append((events, model.published_metrics(t), signals_of(model, t)))
+        t += 0.013
+    assert seen[id(with_loads)] == seen[id(without)]
+    assert any(events for events, _, _ in seen[id(without)])
+    assert with_loads.published_loads(t).time > 0
+    with pytest.raises(RuntimeError, match="publish_loads"):
+        without.published_loads(t)
