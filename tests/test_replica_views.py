@@ -17,13 +17,13 @@ def test_each_change_keeps_every_other_field():
     expected = registry.view(A)
     registry.dispatched(A, 700)
     expected = dataclasses.replace(expected, in_flight=1, in_flight_prompt_tokens=700)
-    assert registry.view(A) == expected
+    assert registry.view(A) == expected and registry.view(A).load == 1  # derived fields follow
     registry.update_signals(A, ReplicaSignals(num_running_reqs=4, num_queue_reqs=2, token_usage=0.5,
                                               num_used_tokens=9, max_total_num_tokens=18,
                                               cache_hit_rate=0.25))
     expected = dataclasses.replace(expected, num_running_reqs=4, num_queue_reqs=2, token_usage=0.5,
                                    num_used_tokens=9, max_total_num_tokens=18, cache_hit_rate=0.25)
-    assert registry.view(A) == expected
+    assert registry.view(A) == expected and registry.view(A).load == 6
     registry.set_homed(A, 3, 1200)
     expected = dataclasses.replace(expected, homed_sessions=3, homed_tokens=1200)
     assert registry.view(A) == expected
