@@ -11,6 +11,7 @@ queue at once. Every decision and reservation happens without an await in betwee
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Mapping
 
@@ -25,6 +26,8 @@ from .admission_config import AdmissionConfig
 from .engine import RoutingEngine
 from .placement import Placement, RequestRoute
 from .security import bearer_token
+
+log = logging.getLogger("kvrouter.admission")
 
 
 class AdmissionRejected(Exception):
@@ -99,10 +102,22 @@ class AdmissionGate:
         self._wake_pending = False
         now = self.clock()
         outcomes = pump(self.queue, now, self.config.max_scan,
-                        lambda w, ahead: self._try(w.item, w.ticket, ahead, now - w.arrived_at))
+                        lambda w, ahead: self._try_waiter(w, ahead, now))
         for waiter, judgement in outcomes:
             self._left(waiter, judgement, now)
         self._gauge()
+
+    def _try_waiter(self, waiter: Waiter[_Pending], ahead: int, now: float) -> Judgement:
+        """`_try` for a queued request; one that fails (a bug) fails alone: its request gets the
+        error and leaves the queue, and the pump goes on answering the others it dispatched."""
+        try:
+            return self._try(waiter.item, waiter.ticket, ahead, now - waiter.arrived_at)
+        except Exception as err:
+            log.exception("admission: re-deciding a waiting request failed")
+            done = waiter.item.done
+            if done is not None and not done.done():
+                done.set_exception(err)
+            return Judgement(Verdict.REJECT, 0.0, "error")
 
     # -- one request ------------------------------------------------------------------------------
     async def place(self, route: RequestRoute, ticket: Ticket) -> Placement | None:
@@ -120,8 +135,8 @@ class AdmissionGate:
         waiter = queue.push(ticket, route.summary.prompt_tokens, now, pending)
         reason = "warm_wait" if len(queue) == 1 else "behind_queue"
         self.metrics.admission_decisions.labels(Verdict.WAIT.value, reason).inc()
-        self._pump()  # it may leave at once (nobody ahead of it can go, but it can)
         try:
+            self._pump()  # it may leave at once (nobody ahead of it can go, but it can)
             if not done.done():
                 await self._wait(waiter, done)
         except BaseException:

@@ -175,3 +175,42 @@ async def test_openai_client_sees_an_slo_429_as_a_rate_limit_error(start_app, st
         assert (await first).choices[0].message.content == "hello"
     finally:
         await client.close()
+
+
+async def test_a_waiter_whose_re_decision_fails_fails_alone(start_app, start_router) -> None:
+    hold = asyncio.Event()
+    up = FakeUpstream(hold_before_headers=hold)
+    router, url = await start_router([await start_app(up.app())], policy=POLICY, signals=SIGNALS,
+                                     admission={"queue": True, "max_wait_s": 30})
+    gate = router.relay.admission
+    assert gate is not None
+    real_try = gate._try
+    broken: list[object] = []  # the pending request whose re-decision raises (a stand-in bug)
+
+    def failing_try(pending, *args, **kwargs):
+        if pending in broken:
+            raise RuntimeError("boom")
+        return real_try(pending, *args, **kwargs)
+
+    gate._try = failing_try  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as client:
+        async def send(tag: str) -> int:
+            async with client.post(url + "/v1/chat/completions", json=chat(tag)) as r:
+                body = await r.json()
+                assert "error" in body or r.status == 200
+                return r.status
+
+        first = asyncio.create_task(send("A"))
+        await until(lambda: len(up.requests) == 1)
+        bad = asyncio.create_task(send("broken"))
+        await until(lambda: len(gate.queue) == 1)
+        good = asyncio.create_task(send("fine"))
+        await until(lambda: len(gate.queue) == 2)
+        broken.append(gate.queue.ordered()[0].item)  # "broken", first in the queue
+        hold.set()
+        assert await first == 200
+        assert await bad == 500  # its request gets the error, nobody else does
+        assert await good == 200
+    assert tags(up) == ["A", "fine"]
+    assert len(gate.queue) == 0
+    assert router.registry.view(router.registry.urls()[0]).in_flight == 0  # no slot leaked
