@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.decode_pick import pick_decode
 from .replicas import ReplicaRegistry
 
+if TYPE_CHECKING:
+    from .placement import Placement
+
 
 class DecodeSlot:
     """One request's attempt on one decode server; its in-flight slot is reserved on creation."""
 
-    __slots__ = ("pool", "url", "tokens", "ttfb_s", "_registration", "_held")
+    __slots__ = ("pool", "url", "tokens", "ttfb_s", "paired", "_registration", "_held")
 
     def __init__(self, pool: DecodePool, url: str, tokens: int) -> None:
         self.pool, self.url, self.tokens = pool, url, tokens
@@ -31,10 +35,15 @@ class DecodeSlot:
         pool.metrics.child(pool.metrics.in_flight, url).inc()
         self._held = True
         self.ttfb_s: float | None = None
+        # The prefill placement of the pair: the client's first byte is the request's, so its
+        # TTFT reaches the prefill placement (decision log, admission's TTFT calibration).
+        self.paired: Placement | None = None
 
     def first_byte(self, seconds: float) -> None:
         """The relay saw the decode server's first body byte `seconds` after sending."""
         self.ttfb_s = seconds
+        if self.paired is not None:
+            self.paired.first_byte(seconds)
 
     def done(self) -> None:
         """Release the slot (idempotent)."""

@@ -126,6 +126,7 @@ class PDForwarder:
                 prefill.done()
                 last_problem = "no healthy decode server"
                 break
+            decode.paired = prefill
             last = attempt + 1 >= relay.config.max_attempts
             drain: asyncio.Task[None] | None = None
             try:

@@ -23,6 +23,7 @@ from kvrouter.policies.domain import ReplicaView, Snapshot
 from kvrouter.router.config import ConfigError, parse_config
 
 from .fakes import FakeUpstream
+from .test_decision_log import wait_for_lines
 
 FAST = 200.0
 
@@ -106,6 +107,20 @@ async def test_streamed_answer_comes_from_decode_and_next_turn_hits_prefill_cach
             assert usage.prompt_tokens_details.cached_tokens > 300
     assert p_sim.model.num_requests_total == 2 and p_sim.model.generation_tokens_total == 2
     assert d_sim.model.num_requests_total == 2 and d_sim.model.generation_tokens_total == 12
+
+
+async def test_a_streamed_pd_answer_logs_its_ttft_on_the_prefill_placement(start_router, sim_fleet, tmp_path):
+    prefill, decode = await sim_fleet(1, 1)
+    path = tmp_path / "decisions.jsonl"
+    _, url = await start_router([], disaggregation=_pd(prefill, decode),
+                                observability={"decision_log": str(path)})
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": tokenizer.synthetic_text(400, 5)}]
+    stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True)
+    [c async for c in stream]
+    [line] = await wait_for_lines(path, 1)
+    assert line["replica"] == prefill[0][1] and line["status"] == 200
+    assert line["ttft_s"] is not None and line["ttft_s"] > 0  # the decode server's first byte
 
 
 async def test_both_halves_get_the_prefill_servers_bootstrap_fields(start_app, start_router):
