@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import orjson
 from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
@@ -41,6 +42,11 @@ def errors_middleware(max_body_bytes: int) -> Middleware:
             )
         except (asyncio.CancelledError, ConnectionResetError):
             raise
+        except orjson.JSONEncodeError:
+            # The router writes JSON back only from the client's body (its prompt's content parts,
+            # a field it adds or removes), and orjson reads deeper nesting than it writes (254).
+            return error_response(400, "request body nested too deeply (at most 254 levels)",
+                                  "invalid_request_error")
         except Exception:  # a bug must still answer in the API's shape, and never kill the loop
             log.exception("unhandled error on %s %s", request.method, request.path)
             return error_response(500, "internal router error", "internal_error")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -208,6 +209,9 @@ class Relay:
             status = 503
             return error_response(503, self._cut_reason, "service_unavailable",
                                   {REQUEST_ID: request_id, "Connection": "close"})
+        except Exception as err:  # answered by the errors middleware: logged with its status
+            status = 400 if isinstance(err, orjson.JSONEncodeError) else 500
+            raise
         finally:
             self._active.discard(task)
             self._cut.discard(task)

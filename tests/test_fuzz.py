@@ -306,6 +306,19 @@ def test_hint_field_with_deep_nesting_is_a_400(live):
         check(live, status, headers, body)
 
 
+def test_deep_nesting_wherever_the_router_re_serialises_is_a_400(live):
+    """The router also writes JSON back from a prompt's content parts (its prefix hash) and from
+    a streaming body it asks for usage; orjson reads deeper JSON than it writes."""
+    deep = b"[" * 300 + b"]" * 300
+    for raw in (
+        b'{"messages": [{"role": "user", "content": ' + deep + b"}]}",
+        b'{"messages": [], "stream": true, "stream_options": {}, "a": ' + deep + b"}",
+    ):
+        status, headers, body = live.request(b"POST", b"/v1/chat/completions", [], raw)
+        assert status == 400 and b"nested too deeply" in body, (status, body[:200])
+        check(live, status, headers, body)
+
+
 def test_expect_header_regression(live):
     """Found by test_fuzz_headers_crlf_oversized: a non-UTF-8 `Expect` value made aiohttp's own
     Expect handler (which runs before middlewares) fail with a 500."""
