@@ -87,8 +87,9 @@ class AdmissionGate:
         return self.book.ticket(bearer_token(headers), priority, slo)
 
     # -- wake-ups -----------------------------------------------------------------------------------
-    def _released(self, url: str) -> None:
-        self.meter.completed(self.clock())
+    def _released(self, url: str, served: bool) -> None:
+        if served:  # a retry or a home move frees a slot but completes nothing
+            self.meter.completed(self.clock())
         self.wake()
 
     def wake(self) -> None:

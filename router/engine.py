@@ -70,9 +70,10 @@ class RoutingEngine:
         self.explain = False
         self.shadows: tuple[tuple[str, Policy], ...] = ()  # (name as configured, policy)
         self._shadow_rng = random.Random(0)
-        # Called with the replica each time a request's slot is released (admission control
-        # re-decides waiting requests then); None: nobody listens.
-        self.on_release: Callable[[str], None] | None = None
+        # Called with the replica and whether the request was served (not retried, moved or
+        # failed) each time a request's slot is released (admission control re-decides waiting
+        # requests then, and counts completions); None: nobody listens.
+        self.on_release: Callable[[str, bool], None] | None = None
         # Called with (predicted, observed) TTFT of a streamed request admission control
         # predicted; None: nobody listens.
         self.on_first_byte: Callable[[float, float], None] | None = None

@@ -151,18 +151,18 @@ class Placement:
 
     def _release(self, url: str) -> None:
         registry, m = self.engine.registry, self.engine.metrics
-        if self.engine.ranks is not None and self.rank is not None:
-            self.engine.ranks.completed(url, self.rank)
         if registry.registration(url) == self._registration:
             registry.completed(url, self.summary.prompt_tokens)
+            if self.engine.ranks is not None and self.rank is not None:
+                self.engine.ranks.completed(url, self.rank)
             if m is not None:
                 m.child(m.in_flight, url).dec()
         elif m is not None and url not in registry:  # removed while this request ran: drop
             m.forget_children(url)  # the series it recreated since
         # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
-        if self.engine.on_release is not None:
-            self.engine.on_release(url)
+        if self.engine.on_release is not None:  # served to its end, or a slot freed otherwise
+            self.engine.on_release(url, self._accepted)
 
     @property
     def held(self) -> bool:

@@ -215,3 +215,19 @@ async def test_a_waiter_whose_re_decision_fails_fails_alone(start_app, start_rou
     assert tags(up) == ["A", "fine"]
     assert len(gate.queue) == 0
     assert router.registry.view(router.registry.urls()[0]).in_flight == 0  # no slot leaked
+
+
+async def test_only_served_requests_count_as_completions(start_app, start_router, closed_port_url) -> None:
+    up = FakeUpstream()
+    router, url = await start_router(
+        [closed_port_url, await start_app(up.app())], signals=SIGNALS,
+        policy={"name": "round-robin"}, admission={"queue": True}, upstream={"max_attempts": 2})
+    gate = router.relay.admission
+    assert gate is not None
+    async with aiohttp.ClientSession() as client:
+        for tag in ("a", "b"):  # round robin: one of them tries the closed port first
+            async with client.post(url + "/v1/chat/completions", json=chat(tag)) as r:
+                assert r.status == 200
+                await r.read()
+    assert len(up.requests) == 2
+    assert len(gate.meter._times) == 2  # the refused attempt freed a slot but completed nothing
