@@ -39,11 +39,11 @@ class DecodeSlot:
         # TTFT reaches the prefill placement (decision log, admission's TTFT calibration).
         self.paired: Placement | None = None
 
-    def first_byte(self, seconds: float) -> None:
-        """The relay saw the decode server's first body byte `seconds` after sending."""
+    def first_byte(self, seconds: float, streamed: bool = True) -> None:
+        """The relay saw the decode server's first body bytes `seconds` after sending."""
         self.ttfb_s = seconds
         if self.paired is not None:
-            self.paired.first_byte(seconds)
+            self.paired.first_byte(seconds, streamed)
 
     def done(self) -> None:
         """Release the slot (idempotent)."""

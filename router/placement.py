@@ -266,11 +266,13 @@ class Placement:
             if retried:
                 m.child(m.retries, kind).inc()
 
-    def first_byte(self, seconds: float) -> None:
-        """The first body byte of a streamed answer came `seconds` after the request was sent."""
+    def first_byte(self, seconds: float, streamed: bool = True) -> None:
+        """The answer's first body bytes came `seconds` after the request was sent. Only a
+        streamed answer's first byte is its time to first token (a plain body comes whole at the
+        end), so only that one calibrates admission's TTFT predictions."""
         self.ttfb_s = seconds
         hook = self.engine.on_first_byte
-        if hook is not None and self.predicted_ttft_s is not None:
+        if streamed and hook is not None and self.predicted_ttft_s is not None:
             hook(self.predicted_ttft_s, seconds)
 
     def accepted(self) -> None:

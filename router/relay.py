@@ -343,8 +343,7 @@ class Relay:
                         502, f"replica {url} failed while sending its response", "upstream_error",
                         headers={REQUEST_ID: request_id},
                     )
-                attempt.ttfb_s = self.clock() - sent
-                self.metrics.child(self.metrics.upstream_ttfb, url).observe(attempt.ttfb_s)
+                self._first_byte(attempt, url, sent, streamed=False)
             if whole:
                 usage.read_body(first)
                 return web.Response(status=upstream.status, body=first, headers=headers)
@@ -352,10 +351,10 @@ class Relay:
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
-    def _first_byte(self, attempt: Placement, url: str, sent: float) -> None:
+    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
         ttfb = self.clock() - sent
         self.metrics.child(self.metrics.upstream_ttfb, url).observe(ttfb)
-        attempt.first_byte(ttfb)
+        attempt.first_byte(ttfb, streamed)
 
     @staticmethod
     def _timeout_response(url: str, err: UpstreamTimeout, request_id: str) -> web.Response:
