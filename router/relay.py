@@ -243,9 +243,9 @@ class Relay:
         decide_ns: int = 0,
     ) -> web.StreamResponse:
         """Send to each placement in turn (router/placement.py), from the first one (`placement`,
-        its slot already reserved; `decide_ns`: when its decision began, for tracing), until a replica takes the request; retries only before the
-        first byte reaches the client. What each attempt meant for the replica's health and the
-        counters is the placement's to record."""
+        its slot already reserved; `decide_ns`: when its decision began, for tracing), until a
+        replica takes the request; retries only before the first byte reaches the client. What
+        each attempt meant for the replica's health and the counters is the placement's to record."""
         assert self.session is not None, "Relay.start() not called"
         headers = end_to_end(request.headers, self._drop)
         if self.inject_headers:
