@@ -357,15 +357,23 @@ class ClusterSimulator(SamplingMixin):
             return
         self._dirty.add(url)
         for event in model.advance(self.now):
-            flight = self._flights.get(event.rid)
-            if flight is None:
-                continue
-            if isinstance(event, FirstToken):
-                flight.first = event.time
-            elif isinstance(event, Finished):
-                self._finish(event.rid, flight, ok=True, completion=event.completion_tokens,
-                             cached=event.cached_tokens)
+            self._on_model_event(event)
         self._wake(url)
+
+    def _on_model_event(self, event: FirstToken | Finished) -> None:
+        """A replica model's event for one of the simulator's requests."""
+        flight = self._flights.get(event.rid)
+        if flight is None:
+            return
+        if isinstance(event, FirstToken):
+            flight.first = event.time
+        elif isinstance(event, Finished):
+            self._finish(event.rid, flight, ok=True, completion=event.completion_tokens,
+                         cached=self._reported_cached(event))
+
+    def _reported_cached(self, event: Finished) -> int:
+        """The cached tokens a finished request reports to its client."""
+        return event.cached_tokens
 
     # -- periodic work ---------------------------------------------------------------------------
     def _poll(self) -> None:

@@ -164,25 +164,15 @@ class PDClusterSimulator(ClusterSimulator):
         self._dirty.add(url)
         self._wake(url)
 
-    def _advance(self, url: str) -> None:
-        model = self.models.get(url)
-        if model is None:
+    def _on_model_event(self, event: FirstToken | Finished) -> None:
+        if event.rid.endswith(PREFILL_HALF):  # the prefill half: its end starts the KV transfer
+            if isinstance(event, Finished):
+                self._prefill_done(event.rid[: -len(PREFILL_HALF)], event.cached_tokens)
             return
-        self._dirty.add(url)
-        for event in model.advance(self.now):
-            if event.rid.endswith(PREFILL_HALF):
-                if isinstance(event, Finished):
-                    self._prefill_done(event.rid[: -len(PREFILL_HALF)], event.cached_tokens)
-                continue
-            flight = self._flights.get(event.rid)
-            if flight is None:
-                continue
-            if isinstance(event, FirstToken):
-                flight.first = event.time
-            elif isinstance(event, Finished):
-                self._finish(event.rid, flight, ok=True, completion=event.completion_tokens,
-                             cached=self._prefill_cached.get(event.rid, 0))
-        self._wake(url)
+        super()._on_model_event(event)
+
+    def _reported_cached(self, event: Finished) -> int:
+        return self._prefill_cached.get(event.rid, 0)  # cache hits are the prefill side's
 
     def _finish(self, rid: str, flight: _Flight, *, ok: bool, completion: int = 0, cached: int = 0) -> None:
         decode = self._decode_of.pop(rid, None)
