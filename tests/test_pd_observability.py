@@ -1,7 +1,8 @@
 """A prefill/decode-disaggregated request is observed like a plain one: its spans (decision, one
 upstream span per half, each half getting its own `traceparent`), its decision-log line and its
-counters, also when its pair is retried on the same prefill server; and a client leaving
-mid-stream frees both servers' in-flight slots. Real servers on 127.0.0.1 and a real OTLP/HTTP
+counters, also when its pair is retried on the same prefill server; a client leaving
+mid-stream frees both servers' in-flight slots, and a decode server that leaves mid-request
+leaves no metric series behind. Real servers on 127.0.0.1 and a real OTLP/HTTP
 receiver."""
 
 from __future__ import annotations
@@ -182,3 +183,23 @@ async def test_a_client_leaving_mid_stream_frees_both_servers_slots(start_app, s
         assert time.monotonic() < deadline, "an in-flight slot was not released"
         await asyncio.sleep(0.01)
     assert await _metric(url, "kvrouter_replica_in_flight_requests") == 0
+
+
+async def test_a_decode_server_removed_mid_request_leaves_no_series_behind(start_app, start_router) -> None:
+    hold = asyncio.Event()  # the decode server streams one chunk, waits, then breaks off
+    _, _, pd = await _pd_fakes(start_app, FakeUpstream("decode", hold_after_first=hold, die_after_chunks=2))
+    d_url = pd["decode"][0]
+    router, url = await start_router([], disaggregation=pd)
+    assert router.decode_pool is not None
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json={"model": "m", "stream": True,
+                                            "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200
+            assert await r.content.readany()
+            assert router.decode_pool.remove(d_url)  # a reload or discovery drops it now
+            hold.set()
+            rest = await r.read()
+    assert b"mid-stream" in rest  # the stream ended with the router's error event
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.get(url + "/metrics")).text()
+    assert d_url not in text  # its upstream error, counted after it left, went with it
