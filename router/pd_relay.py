@@ -240,7 +240,8 @@ class PDForwarder:
             finally:
                 if drain is not None and not drain.done():
                     drain.cancel()  # the request is over: its prefill half too
-                prefill.done()
+                # a prefill half whose decode half did not answer 2xx served nothing
+                prefill.done(served=decode.status is not None and 200 <= decode.status < 300)
                 decode.done()
                 if spans is not None:
                     spans.end()

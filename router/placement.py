@@ -154,7 +154,7 @@ class Placement:
             m.child(m.in_flight, url).inc()
         self._held = True
 
-    def _release(self, url: str) -> None:
+    def _release(self, url: str, served: bool = True) -> None:
         registry, m = self.engine.registry, self.engine.metrics
         if registry.registration(url) == self._registration:
             registry.completed(url, self.summary.prompt_tokens)
@@ -167,17 +167,19 @@ class Placement:
         # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
         if self.engine.on_release is not None:  # served to its end, or a slot freed otherwise
-            self.engine.on_release(url, self._accepted)
+            self.engine.on_release(url, self._accepted and served)
 
     @property
     def held(self) -> bool:
         """The replica's in-flight slot is still reserved for this attempt."""
         return self._held
 
-    def done(self) -> None:
-        """The attempt is over (answered, failed or cancelled): release the slot. Idempotent."""
+    def done(self, served: bool = True) -> None:
+        """The attempt is over (answered, failed or cancelled): release the slot. Idempotent.
+        `served=False`: whatever it accepted, it did not serve the request (a PD prefill half
+        whose decode half failed), so admission counts no completion."""
         if self._held:
-            self._release(self.url)
+            self._release(self.url, served)
 
     # -- the session's home ------------------------------------------------------------------------
     def home_claim(self) -> HomeClaim | HomeMove | None:
@@ -323,7 +325,7 @@ class Placement:
         other half of its pair failed; this replica did its part and holds the prompt's KV).
         None if the replica is no longer healthy. The same decision: its notes (decision log,
         tracing) and admission's TTFT prediction carry over."""
-        self._supersede()
+        self.done(served=False)
         if not self.engine.registry.healthy(self.url):
             return None
         again = Placement(self.engine, self.summary, self.session, self.decision,
@@ -331,16 +333,10 @@ class Placement:
         again.predicted_ttft_s = self.predicted_ttft_s
         return again
 
-    def _supersede(self) -> None:
-        """Release this attempt for another one: it served nothing, whatever it accepted (a PD
-        prefill half whose decode half failed), so admission counts no completion."""
-        self._accepted = False
-        self.done()
-
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so
         far; None if nothing is left (or the request was pinned to a hinted target)."""
-        self._supersede()
+        self.done(served=False)
         if self.target is not None:
             return None
         summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})

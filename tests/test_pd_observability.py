@@ -203,3 +203,16 @@ async def test_a_decode_server_removed_mid_request_leaves_no_series_behind(start
     async with aiohttp.ClientSession() as s:
         text = await (await s.get(url + "/metrics")).text()
     assert d_url not in text  # its upstream error, counted after it left, went with it
+
+
+async def test_a_pair_whose_decode_half_fails_is_no_completion_for_admission(start_app, start_router) -> None:
+    p_fake, _, pd = await _pd_fakes(start_app, _fails_first(FakeUpstream("decode"), 500))
+    p_url = pd["prefill"][0].rsplit("=", 1)[0]
+    router, url = await start_router([], disaggregation=pd, upstream={"max_attempts": 1})
+    released: list[tuple[str, bool]] = []
+    router.engine.on_release = lambda u, served: released.append((u, served))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 500  # the last attempt's decode answer, relayed
+    assert len(p_fake.requests) == 1  # the prefill half served its part...
+    assert released == [(p_url, False)]  # ...but the request was not served
