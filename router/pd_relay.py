@@ -216,8 +216,10 @@ class PDForwarder:
                     spans.prefill_status, spans.prefill_head_s = p_resp.status, relay.clock() - sent
                 if not 200 <= p_resp.status < 300:
                     _discard(d_task)
-                    m.child(m.pd_bootstrap_failures, "prefill").inc()
-                    if p_resp.status in relay.config.retry_statuses and not last:
+                    retryable = p_resp.status in relay.config.retry_statuses
+                    if retryable or p_resp.status >= 500:  # a 4xx is the client's, not the pair's
+                        m.child(m.pd_bootstrap_failures, "prefill").inc()
+                    if retryable and not last:
                         prefill.refused(p_resp.status)
                         p_resp.close()
                         last_problem = f"prefill server {prefill.url} answered {p_resp.status}"

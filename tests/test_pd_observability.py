@@ -54,10 +54,10 @@ class _Prefer(random.Random):
 
 
 async def _pd_fakes(
-    start_app, decode: FakeUpstream | None = None
+    start_app, decode: FakeUpstream | None = None, prefill: FakeUpstream | None = None
 ) -> tuple[FakeUpstream, FakeUpstream, dict[str, Any]]:
     """A prefill and a decode fake, and the router's `disaggregation` section for them."""
-    p_fake, d_fake = FakeUpstream("prefill"), decode or FakeUpstream("decode")
+    p_fake, d_fake = prefill or FakeUpstream("prefill"), decode or FakeUpstream("decode")
     p_url, d_url = await start_app(p_fake.app()), await start_app(d_fake.app())
     return p_fake, d_fake, {"prefill": [f"{p_url}={free_port()}"], "decode": [d_url]}
 
@@ -216,3 +216,14 @@ async def test_a_pair_whose_decode_half_fails_is_no_completion_for_admission(sta
             assert r.status == 500  # the last attempt's decode answer, relayed
     assert len(p_fake.requests) == 1  # the prefill half served its part...
     assert released == [(p_url, False)]  # ...but the request was not served
+
+
+async def test_a_client_error_from_the_prefill_server_is_no_bootstrap_failure(start_app, start_router) -> None:
+    p_fake, d_fake, pd = await _pd_fakes(start_app, prefill=FakeUpstream("prefill", status=400))
+    _, url = await start_router([], disaggregation=pd)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 400  # relayed as it is
+    assert len(p_fake.requests) == 1 and len(d_fake.requests) <= 1
+    assert await _metric(url, "kvrouter_pd_bootstrap_failures_total") == 0
+    assert await _metric(url, "kvrouter_upstream_retries_total") == 0
