@@ -24,6 +24,7 @@ from .test_tracing import attrs, otlp_receiver, wait_for_spans
 
 CHAT = "/v1/chat/completions"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+HELLO = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _fails_first(fake: FakeUpstream, status: int) -> FakeUpstream:
@@ -212,7 +213,7 @@ async def test_a_pair_whose_decode_half_fails_is_no_completion_for_admission(sta
     released: list[tuple[str, bool]] = []
     router.engine.on_release = lambda u, served: released.append((u, served))
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with s.post(url + CHAT, json=HELLO) as r:
             assert r.status == 500  # the last attempt's decode answer, relayed
     assert len(p_fake.requests) == 1  # the prefill half served its part...
     assert released == [(p_url, False)]  # ...but the request was not served
@@ -222,7 +223,7 @@ async def test_a_client_error_from_the_prefill_server_is_no_bootstrap_failure(st
     p_fake, d_fake, pd = await _pd_fakes(start_app, prefill=FakeUpstream("prefill", status=400))
     _, url = await start_router([], disaggregation=pd)
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with s.post(url + CHAT, json=HELLO) as r:
             assert r.status == 400  # relayed as it is
     assert len(p_fake.requests) == 1 and len(d_fake.requests) <= 1
     assert await _metric(url, "kvrouter_pd_bootstrap_failures_total") == 0
