@@ -173,8 +173,12 @@ def request_fields(request_id: str, summary: RequestSummary, placement: Placemen
         out["output_tokens"] = usage.completion_tokens
     elif usage is not None:
         out["usage"] = usage  # why there is none: missing, garbage, unbuffered...
-    if placement.error is not None:
-        out["error"] = placement.error
+    decode = placement.decode  # PD: the decode server of the pair
+    if decode is not None:
+        out["decode"] = decode.url
+    error = placement.error if placement.error is not None or decode is None else decode.error
+    if error is not None:
+        out["error"] = error
     if notes is not None and notes.shadows:
         out["shadow"] = {
             name: {"replica": d.replica if d is not None else None,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class DecodeSlot:
     """One request's attempt on one decode server; its in-flight slot is reserved on creation."""
 
-    __slots__ = ("pool", "url", "tokens", "ttfb_s", "paired", "_registration", "_held")
+    __slots__ = ("pool", "url", "tokens", "ttfb_s", "status", "error", "paired", "_registration", "_held")
 
     def __init__(self, pool: DecodePool, url: str, tokens: int) -> None:
         self.pool, self.url, self.tokens = pool, url, tokens
@@ -35,6 +35,8 @@ class DecodeSlot:
         pool.metrics.child(pool.metrics.in_flight, url).inc()
         self._held = True
         self.ttfb_s: float | None = None
+        self.status: int | None = None  # the decode server's answer, once it came (tracing)
+        self.error: str | None = None  # why this attempt failed (decision log, tracing)
         # The prefill placement of the pair: the client's first byte is the request's, so its
         # TTFT reaches the prefill placement (decision log, admission's TTFT calibration).
         self.paired: Placement | None = None
@@ -54,9 +56,12 @@ class DecodeSlot:
         if registry.registration(self.url) == self._registration:
             registry.completed(self.url, self.tokens)
             m.child(m.in_flight, self.url).dec()
+        elif self.url not in registry:  # removed while this request ran: drop the series it
+            m.forget_children(self.url)  # recreated since (as a prefill placement does)
 
     def unreachable(self, kind: str) -> None:
         """Never got the request: held against its health, and the request is retried."""
+        self.error = kind
         self.pool.registry.record_failure(self.url)
         self._count(kind, retried=True)
 
@@ -68,6 +73,7 @@ class DecodeSlot:
 
     def broke(self, kind: str) -> None:
         """Got the request, then timed out or broke off: never retried (it may still run)."""
+        self.error = kind
         self._count(kind, retried=False)
 
     def _count(self, kind: str, *, retried: bool) -> None:

@@ -12,6 +12,10 @@ that is unreachable or answers a retryable status, a decode server that is unrea
 answers 5xx (it could not get its KV). The other half is aborted (its connection closed). Every
 pair that fails after both halves were sent counts in ``kvrouter_pd_bootstrap_failures_total``.
 A 4xx from either half is the client's error: relayed as it is, not retried.
+
+With tracing on, each attempt gets the plain path's decision span and one upstream span per half
+(`router/tracing.py`), and each server gets its own span's context as `traceparent`. A retry on
+the same prefill server (`Placement.again`) keeps the decision's notes and counts the prompt once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -36,7 +42,10 @@ from .upstream_http import UpstreamConnectError, UpstreamConnectTimeout, Upstrea
 from .usage import UsageAccount
 
 if TYPE_CHECKING:
+    from multidict import CIMultiDict
+
     from .relay import Relay
+    from .tracing import RequestTrace
 
 log = logging.getLogger("kvrouter.relay")
 ROOM_BITS = 63  # SGLang's rooms: random.randint(0, 2**63 - 1) in its own load balancer
@@ -69,14 +78,45 @@ def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
         task.result().close()
 
 
-async def _drain(response: UpstreamResponse, url: str) -> None:
-    """Read the prefill server's answer to its end (nobody needs it), then free the connection."""
+async def _drain(response: UpstreamResponse, url: str,
+                 ended: Callable[[str | None], None] | None = None) -> None:
+    """Read the prefill server's answer to its end (nobody needs it), then free the connection;
+    `ended` is told why the exchange failed (None: it did not)."""
+    error: str | None = None
     try:
         await response.read()
     except Exception as err:  # noqa: BLE001 - its decode half reports what the client sees
+        error = "midstream"
         log.info("prefill server %s broke off its answer: %r", url, err)
     finally:
         response.close()
+        if ended is not None:
+            ended(error)
+
+
+class _PairSpans:
+    """One attempt's two upstream spans (tracing on): each half's context goes into its own
+    copy of the headers. The prefill half's span ends when its answer is drained, the decode
+    half's when the client's answer is over; `end` ends whatever is still open."""
+
+    __slots__ = ("prefill", "decode", "placement", "slot", "prefill_status", "prefill_head_s")
+
+    def __init__(self, trace: RequestTrace, prefill: Placement, decode: DecodeSlot, room: int,
+                 p_headers: CIMultiDict[str], d_headers: CIMultiDict[str]) -> None:
+        attempt = len(prefill.tried) + 1
+        self.prefill = trace.exchange(prefill.url, attempt, p_headers, pd_role="prefill", bootstrap_room=room)
+        self.decode = trace.exchange(decode.url, attempt, d_headers, pd_role="decode", bootstrap_room=room)
+        self.placement, self.slot = prefill, decode
+        self.prefill_status: int | None = None
+        self.prefill_head_s: float | None = None  # send to the prefill server's response head
+
+    def prefill_ended(self, error: str | None = None) -> None:
+        self.prefill.end(self.prefill_status, self.prefill_head_s, None, error or self.placement.error)
+
+    def end(self) -> None:
+        self.prefill_ended()
+        slot = self.slot  # the answer's usage is recorded on the prefill placement
+        self.decode.end(slot.status, slot.ttfb_s, self.placement.usage, slot.error)
 
 
 class PDForwarder:
@@ -106,10 +146,13 @@ class PDForwarder:
         placement: Placement | None,
         request_id: str,
         usage: UsageAccount,
-        headers: Any,
+        headers: CIMultiDict[str],
+        trace: RequestTrace | None = None,
+        decide_ns: int = 0,
     ) -> web.StreamResponse:
         """Send `placement` (its slot already reserved; None: no prefill server) and a decode
-        server the request at once, retrying on another pair before the first byte."""
+        server the request at once, retrying on another pair before the first byte. `trace`:
+        the request's spans (`decide_ns`: when the first decision began)."""
         relay = self.relay
         m = relay.metrics
         parsed = orjson.loads(body)  # the handler parsed it once: a JSON object
@@ -127,8 +170,10 @@ class PDForwarder:
                 last_problem = "no healthy decode server"
                 break
             decode.paired = prefill
+            prefill.decode = decode
             last = attempt + 1 >= relay.config.max_attempts
             drain: asyncio.Task[None] | None = None
+            spans: _PairSpans | None = None
             try:
                 await prefill.confirm_home(route.store)
                 room = self.rng.getrandbits(ROOM_BITS)
@@ -138,11 +183,16 @@ class PDForwarder:
                 # routed_dp_rank names the prefill server's rank; the decode server picks its own
                 p_body = bootstrap_body(parsed, prefill.url, port, room, prefill.rank)
                 d_body = bootstrap_body(parsed, prefill.url, port, room)
+                p_headers = d_headers = headers
+                if trace is not None:
+                    trace.decided(prefill, decide_ns)
+                    p_headers, d_headers = headers.copy(), headers.copy()
+                    spans = _PairSpans(trace, prefill, decode, room, p_headers, d_headers)
                 sent = relay.clock()
                 p_task = asyncio.ensure_future(
-                    relay.pool.request(request.method, prefill.url, path_qs, headers, p_body))
+                    relay.pool.request(request.method, prefill.url, path_qs, p_headers, p_body))
                 d_task = asyncio.ensure_future(
-                    relay.pool.request(request.method, decode.url, path_qs, headers, d_body))
+                    relay.pool.request(request.method, decode.url, path_qs, d_headers, d_body))
                 try:
                     p_resp = await p_task
                 except UpstreamConnectError as err:
@@ -151,6 +201,7 @@ class PDForwarder:
                     prefill.unreachable(kind)
                     m.child(m.pd_bootstrap_failures, "prefill").inc()
                     last_problem = f"prefill server {prefill.url} unreachable ({kind})"
+                    decide_ns = time.time_ns()  # the retry's decision (a span's start)
                     placement = None if last else prefill.retry()
                     continue
                 except UpstreamTimeout as err:
@@ -161,31 +212,41 @@ class PDForwarder:
                     _discard(d_task)
                     raise
                 prefill.answered()
+                if spans is not None:
+                    spans.prefill_status, spans.prefill_head_s = p_resp.status, relay.clock() - sent
                 if not 200 <= p_resp.status < 300:
                     _discard(d_task)
-                    m.child(m.pd_bootstrap_failures, "prefill").inc()
-                    if p_resp.status in relay.config.retry_statuses and not last:
+                    retryable = p_resp.status in relay.config.retry_statuses
+                    if retryable or p_resp.status >= 500:  # a 4xx is the client's, not the pair's
+                        m.child(m.pd_bootstrap_failures, "prefill").inc()
+                    if retryable and not last:
                         prefill.refused(p_resp.status)
                         p_resp.close()
                         last_problem = f"prefill server {prefill.url} answered {p_resp.status}"
+                        decide_ns = time.time_ns()
                         placement = prefill.retry()
                         continue
                     usage.placement = None
                     return await relay._relay(request, p_resp, prefill, request_id, sent, usage)
                 prefill.accepted()  # it computed the prompt's KV: its cache holds the prefix now
-                drain = asyncio.ensure_future(_drain(p_resp, prefill.url))
+                drain = asyncio.ensure_future(
+                    _drain(p_resp, prefill.url, spans.prefill_ended if spans is not None else None))
                 result = await self._decode_half(request, d_task, decode, prefill, request_id, sent, usage, last)
                 if isinstance(result, str):
                     last_problem = result
                     decode_tried |= {decode.url}
+                    decide_ns = time.time_ns()
                     placement = prefill.again() or prefill.retry()
                     continue
                 return result
             finally:
                 if drain is not None and not drain.done():
                     drain.cancel()  # the request is over: its prefill half too
-                prefill.done()
+                # a prefill half whose decode half did not answer 2xx served nothing
+                prefill.done(served=decode.status is not None and 200 <= decode.status < 300)
                 decode.done()
+                if spans is not None:
+                    spans.end()
         return error_response(
             503, f"no prefill/decode pair could take the request: {last_problem}",
             "service_unavailable", headers={"Retry-After": "1", REQUEST_ID: request_id},
@@ -220,6 +281,7 @@ class PDForwarder:
             decode.broke(err.kind)
             return relay._timeout_response(decode.url, err, request_id)
         decode.answered()
+        decode.status = d_resp.status
         if d_resp.status >= 500:
             m.child(m.pd_bootstrap_failures, "decode").inc()
             if not last:

@@ -34,6 +34,7 @@ from ..policies.predict import Prediction
 from .usage import UsageReport
 
 if TYPE_CHECKING:
+    from .decode_pool import DecodeSlot
     from .engine import RoutingEngine
 
 
@@ -95,8 +96,8 @@ class Placement:
 
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
-                 "rank", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
-                 "_registration")
+                 "rank", "decode", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
+                 "_counted", "_registration")
 
     def __init__(
         self,
@@ -130,10 +131,14 @@ class Placement:
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
+        # The request's prompt is in the prompt-token counters already: a PD pair whose prefill
+        # half served it, then failed on its decode half, is retried without counting it again.
+        self._counted = retry_of._counted if retry_of is not None else False
         # The cost model's TTFT for this attempt, when admission control predicted one: compared
         # with the first byte's time (`first_byte`) to calibrate its predictions.
         self.predicted_ttft_s: float | None = None
         self.rank: int | None = None  # DP-attention rank on the replica (routing.dp_size > 1)
+        self.decode: DecodeSlot | None = None  # PD: the decode server this attempt was paired with
         self._reserve(self.url)
 
     # -- in-flight slot ----------------------------------------------------------------------------
@@ -149,7 +154,7 @@ class Placement:
             m.child(m.in_flight, url).inc()
         self._held = True
 
-    def _release(self, url: str) -> None:
+    def _release(self, url: str, served: bool = True) -> None:
         registry, m = self.engine.registry, self.engine.metrics
         if registry.registration(url) == self._registration:
             registry.completed(url, self.summary.prompt_tokens)
@@ -162,17 +167,19 @@ class Placement:
         # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
         if self.engine.on_release is not None:  # served to its end, or a slot freed otherwise
-            self.engine.on_release(url, self._accepted)
+            self.engine.on_release(url, self._accepted and served)
 
     @property
     def held(self) -> bool:
         """The replica's in-flight slot is still reserved for this attempt."""
         return self._held
 
-    def done(self) -> None:
-        """The attempt is over (answered, failed or cancelled): release the slot. Idempotent."""
+    def done(self, served: bool = True) -> None:
+        """The attempt is over (answered, failed or cancelled): release the slot. Idempotent.
+        `served=False`: whatever it accepted, it did not serve the request (a PD prefill half
+        whose decode half failed), so admission counts no completion."""
         if self._held:
-            self._release(self.url)
+            self._release(self.url, served)
 
     # -- the session's home ------------------------------------------------------------------------
     def home_claim(self) -> HomeClaim | HomeMove | None:
@@ -288,7 +295,8 @@ class Placement:
         if self.engine.ranks is not None and self.rank is not None:
             self.engine.ranks.served(url, self.rank, summary.prefix_blocks)
         m = self.engine.metrics
-        if m is not None and summary.prompt_tokens:
+        counted, self._counted = self._counted, True
+        if m is not None and summary.prompt_tokens and not counted:
             m.prompt_tokens.inc(summary.prompt_tokens)
             cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
             if cached:
@@ -315,17 +323,20 @@ class Placement:
     def again(self) -> Placement | None:
         """Release this attempt and place the request on the same replica once more (PD: the
         other half of its pair failed; this replica did its part and holds the prompt's KV).
-        None if the replica is no longer healthy."""
-        self.done()
+        None if the replica is no longer healthy. The same decision: its notes (decision log,
+        tracing) and admission's TTFT prediction carry over."""
+        self.done(served=False)
         if not self.engine.registry.healthy(self.url):
             return None
-        return Placement(self.engine, self.summary, self.session, self.decision,
-                         target=self.target, retry_of=self)
+        again = Placement(self.engine, self.summary, self.session, self.decision,
+                          target=self.target, retry_of=self, notes=self.notes)
+        again.predicted_ttft_s = self.predicted_ttft_s
+        return again
 
     def retry(self) -> Placement | None:
         """Release this attempt and place the request again, away from every replica tried so
         far; None if nothing is left (or the request was pinned to a hinted target)."""
-        self.done()
+        self.done(served=False)
         if self.target is not None:
             return None
         summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})

@@ -252,7 +252,8 @@ class Relay:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
         if self.pd is not None:
-            return await self.pd.attempts(request, body, route, placement, request_id, usage, headers)
+            return await self.pd.attempts(request, body, route, placement, request_id, usage, headers,
+                                          trace, decide_ns)
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts

@@ -4,7 +4,9 @@ Per request, a server span (continuing the client's W3C `traceparent` if it sent
 kinds of children per attempt: `kvrouter.route` (the routing decision: policy, reason, replica,
 candidates, predicted cached tokens and TTFT) and `kvrouter.upstream` (the exchange with the
 replica, first byte to last). The upstream span's context goes to the replica as `traceparent`,
-so an SGLang replica exporting its own spans joins the same trace. Spans are exported over
+so an SGLang replica exporting its own spans joins the same trace. On a prefill/decode fleet an
+attempt is a pair: two upstream spans (`kvrouter.pd_role` prefill and decode, with the
+bootstrap room), each server getting its own span's context. Spans are exported over
 OTLP/HTTP by the SDK's batch processor, on its own thread.
 
 Off (no endpoint configured, `OTEL_EXPORTER_OTLP_ENDPOINT` unset, or `OTEL_SDK_DISABLED=true`),
@@ -22,6 +24,7 @@ from .decision_log import short_hash
 if TYPE_CHECKING:
     from .config import ObservabilityConfig
     from .placement import Placement
+    from .usage import UsageReport
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -85,7 +88,7 @@ class RequestTrace:
             f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
             attributes={"http.request.method": method, "url.path": route, "kvrouter.request_id": request_id})
         self.context = trace.set_span_in_context(self.root)
-        self.upstream: Any = None
+        self.upstream: Exchange | None = None
 
     def decided(self, placement: Placement, start_ns: int) -> None:
         """The decision that gave `placement` (taken from `start_ns` until now)."""
@@ -111,33 +114,28 @@ class RequestTrace:
 
     def upstream_start(self, placement: Placement, headers: MutableMapping[str, str]) -> None:
         """The exchange with `placement`'s replica starts: its span's context goes into `headers`."""
+        self.upstream = self.exchange(placement.url, len(placement.tried) + 1, headers)
+
+    def upstream_end(self, placement: Placement, status: int | None) -> None:
+        exchange, self.upstream = self.upstream, None
+        if exchange is not None:
+            exchange.end(status, placement.ttfb_s, placement.usage, placement.error)
+
+    def exchange(self, url: str, attempt: int, headers: MutableMapping[str, str],
+                 **attributes: str | int) -> Exchange:
+        """A `kvrouter.upstream` span for one exchange with the server at `url`, started now; its
+        context replaces any `traceparent` in `headers` (the ones sent to that server).
+        `attributes` are added as `kvrouter.<name>`."""
         from opentelemetry import trace
 
-        self.upstream = span = self.tracing.tracer.start_span(
-            "kvrouter.upstream", context=self.context, kind=trace.SpanKind.CLIENT,
-            attributes={"server.address": placement.url, "kvrouter.attempt": len(placement.tried) + 1})
+        attrs: dict[str, Any] = {"server.address": url, "kvrouter.attempt": attempt}
+        attrs.update((f"kvrouter.{name}", value) for name, value in attributes.items())
+        span = self.tracing.tracer.start_span("kvrouter.upstream", context=self.context,
+                                              kind=trace.SpanKind.CLIENT, attributes=attrs)
         headers.pop("traceparent", None)
         headers.pop("tracestate", None)
         self.tracing.propagator.inject(headers, context=trace.set_span_in_context(span))
-
-    def upstream_end(self, placement: Placement, status: int | None) -> None:
-        span, self.upstream = self.upstream, None
-        if span is None:
-            return
-        if status is not None:
-            span.set_attribute("http.response.status_code", status)
-        if placement.ttfb_s is not None:
-            span.set_attribute("kvrouter.ttfb_s", placement.ttfb_s)
-        usage = placement.usage
-        if usage is not None and not isinstance(usage, str) and usage.cached_tokens is not None:
-            span.set_attribute("kvrouter.reported_cached_tokens", usage.cached_tokens)
-        if placement.error is not None or status is None or status >= 500:
-            from opentelemetry.trace import Status, StatusCode
-
-            span.set_status(Status(StatusCode.ERROR, placement.error or f"status {status}"))
-            if placement.error is not None:
-                span.set_attribute("error.type", placement.error)
-        span.end()
+        return Exchange(span)
 
     def end(self, status: int) -> None:
         self.root.set_attribute("http.response.status_code", status)
@@ -146,3 +144,33 @@ class RequestTrace:
 
             self.root.set_status(Status(StatusCode.ERROR))
         self.root.end()
+
+
+class Exchange:
+    """One exchange's span, ended once: `end` again does nothing (a PD prefill half ends when its
+    answer is drained, or with the request, whichever comes first)."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def end(self, status: int | None, ttfb_s: float | None = None,
+            usage: UsageReport | str | None = None, error: str | None = None) -> None:
+        """`status`: the server's answer (None: none came); `error`: why the exchange failed."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if ttfb_s is not None:
+            span.set_attribute("kvrouter.ttfb_s", ttfb_s)
+        if usage is not None and not isinstance(usage, str) and usage.cached_tokens is not None:
+            span.set_attribute("kvrouter.reported_cached_tokens", usage.cached_tokens)
+        if error is not None or status is None or status >= 500:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error or f"status {status}"))
+            if error is not None:
+                span.set_attribute("error.type", error)
+        span.end()
