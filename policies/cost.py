@@ -15,10 +15,11 @@ FLOPs per token pair over 4 GPUs at ~1 PFLOP/s effective each; host KV reloads a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .domain import ReplicaView, RequestSummary
+from .domain import FleetMemo, ReplicaView, RequestSummary
 
 # KV capacity (tokens) of the reference replica, assumed until a replica reports its own
 # max_total_num_tokens: the one routing default the policy, the engine and the KV index share.
@@ -70,40 +71,110 @@ def expected_costs(
     *,
     home: str | None = None,
     placement: bool = True,
+    memo: FleetMemo | None = None,
+    remember: bool = True,
 ) -> list[float]:
     """`expected_cost` of one request on each replica (`home`: the one it is homed on), in one
-    loop: what a decision over many candidates needs, without a call per candidate."""
+    loop: what a decision over many candidates needs, without a call per candidate.
+
+    With the snapshot's `memo`, a replica this request was already costed on (by this policy or
+    any other with equal cost parameters: the live decision, the shadows, the decision log's
+    prediction) is not costed again; `remember=False` only reads it. The cost without placement
+    terms is the first part of the one with them, so either one costs the other's half."""
+    model = _model(p)
+    base = full = None
+    if memo is not None:
+        tables = memo.cost_tables(request)
+        base = tables.get((model.key, False, None))
+        if base is None:
+            base = tables[(model.key, False, None)] = {}
+        full = base
+        if placement:
+            full = tables.get((model.key, True, home))
+            if full is None:
+                full = tables[(model.key, True, home)] = {}
+    return _costs(p, model, replicas, request, home, placement, base, full, remember)
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """A `CostParams` read once: the terms the loop uses, and a key that equal parameter sets
+    share (the live policy's defaults and the prediction's are equal, not the same object)."""
+
+    params: CostParams
+    key: int
+    terms: tuple[float, float, int, float, int, float, float, float]
+
+
+_MODELS: dict[int, _Model] = {}  # id(params) -> model (params held, so the id stays theirs)
+_KEYS: dict[tuple[object, ...], int] = {}  # parameter values -> key
+
+
+def _model(p: CostParams) -> _Model:
+    found = _MODELS.get(id(p))
+    if found is None or found.params is not p:
+        if len(_MODELS) >= 256:  # parameter sets are made at start-up; tests make many
+            _MODELS.clear()
+        values = tuple(getattr(p, name) for name in type(p).model_fields)
+        key = _KEYS.setdefault(values, len(_KEYS))
+        terms = (p.queue_s_per_waiting, p.decode_s_per_running, p.max_running, p.capacity_target,
+                 p.default_capacity_tokens, p.kv_demand_s, p.session_s, p.load_back_s_per_token)
+        found = _MODELS[id(p)] = _Model(p, key, terms)
+    return found
+
+
+def _costs(
+    p: CostParams,
+    model: _Model,
+    replicas: Iterable[ReplicaView],
+    request: RequestSummary,
+    home: str | None,
+    placement: bool,
+    base: dict[str, float] | None,
+    full: dict[str, float] | None,
+    remember: bool = True,
+) -> list[float]:
+    """The costs, looked up in `full` (this call's terms) and `base` (without placement terms)
+    when given, and stored into them with `remember`."""
     prompt = request.prompt_tokens
     cached_on, host_on = request.cached_tokens, request.host_cached_tokens
     cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
     # The parameters, read once: this loop runs on every candidate of every decision.
-    queue_s, decode_s, max_running = p.queue_s_per_waiting, p.decode_s_per_running, p.max_running
-    target = p.capacity_target
+    queue_s, decode_s, max_running, target, default_capacity, kv_demand_s, session_s, load_back_s = model.terms
     pressure_span = 1.0 - target + 1e-9
-    default_capacity, kv_demand_s, session_s = p.default_capacity_tokens, p.kv_demand_s, p.session_s
     out: list[float] = []
     append = out.append
     for replica in replicas:
         rid = replica.id
-        cached = cached_on.get(rid, 0) if cached_on else 0
-        on_host = host_on.get(rid, 0) if host_on else 0
-        if cached or on_host:
-            cached = min(cached, prompt)
-            on_host = min(on_host, prompt - cached)
-            uncached = prompt - cached - on_host
-            cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
-        else:
-            cost = cold_prefill
+        cost = None
+        if full is not None:
+            cost = full.get(rid)
+            if cost is not None:
+                append(cost)
+                continue
+            cost = base.get(rid) if base is not full else None  # type: ignore[union-attr]
+        if cost is None:
+            cached = cached_on.get(rid, 0) if cached_on else 0
+            on_host = host_on.get(rid, 0) if host_on else 0
+            if cached or on_host:
+                cached = min(cached, prompt)
+                on_host = min(on_host, prompt - cached)
+                uncached = prompt - cached - on_host
+                cost = prefill_s(p, uncached, cached + on_host) + on_host * load_back_s
+            else:
+                cost = cold_prefill
 
-        load = replica.load
-        queued = replica.num_queue_reqs or 0
-        waiting = load - max_running if load - max_running > queued else queued
-        cost += waiting * queue_s + (load if load < max_running else max_running) * decode_s
+            load = replica.load
+            queued = replica.num_queue_reqs or 0
+            waiting = load - max_running if load - max_running > queued else queued
+            cost += waiting * queue_s + (load if load < max_running else max_running) * decode_s
 
-        # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
-        usage = replica.token_usage or 0.0
-        if usage > target:
-            cost += queue_s * (usage - target) / pressure_span
+            # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
+            usage = replica.token_usage or 0.0
+            if usage > target:
+                cost += queue_s * (usage - target) / pressure_span
+            if remember and base is not None:
+                base[rid] = cost
 
         if placement:
             # KV the replica's homed sessions already need; a new session adds its whole context.
@@ -115,5 +186,7 @@ def expected_costs(
             overflow = int(demand - target * capacity)
             if overflow > 0:  # that much cached context gets evicted and recomputed later
                 cost += p.capacity_weight * prefill_s(p, overflow, 0)
+            if remember and full is not None:
+                full[rid] = cost
         append(cost)
     return out

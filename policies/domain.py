@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
@@ -87,17 +88,31 @@ class FleetMemo:
     """Scans of one snapshot, made on first use and shared by every policy deciding on it (the
     live policy and the shadow policies): the same pure result, computed once. A snapshot is
     immutable, so an entry never goes stale; `Snapshot.with_session` shares its memo. Entries
-    are per exclusion set (replicas a retry already tried)."""
+    are per exclusion set (replicas a retry already tried), except the per-replica costs
+    (policies/cost.py), which are those of one request: the last one costed on this snapshot
+    (the live decision, then the decision log's predictions and the shadows on the same request)."""
 
-    __slots__ = ("candidates", "loads")
+    __slots__ = ("candidates", "loads", "_costs", "_costs_of")
     MAX_ENTRIES = 8  # exclusion sets differ only on retries; a long-lived snapshot stays small
 
     def __init__(self) -> None:
         self.candidates: dict[frozenset[str], tuple[ReplicaView, ...]] = {}
         self.loads: dict[frozenset[str], LoadScan] = {}
+        self._costs: dict[tuple[object, ...], dict[str, float]] = {}
+        self._costs_of: RequestSummary | None = None
+
+    def cost_tables(self, request: RequestSummary) -> dict[tuple[object, ...], dict[str, float]]:
+        """Replica id -> cost tables of `request` (keyed by cost model and terms, see
+        policies/cost.py). Known by identity: the live decision, its notes and the shadows get
+        the very summary object; a different request starts empty tables."""
+        if self._costs_of is not request:
+            self._costs_of = request  # held, so its id is never another request's
+            self._costs = {}
+        return self._costs
 
 
 _T = TypeVar("_T")
+_load_of = attrgetter("load")
 
 
 def _remember(memo: dict[frozenset[str], _T], key: frozenset[str], value: _T) -> _T:
@@ -152,9 +167,16 @@ class Snapshot:
         if found is None:
             candidates = self.candidate_views(request)
             if candidates:
-                loads = [r.load for r in candidates]
+                # Builtins over a list of loads, no per-replica Python step: the least-loaded few
+                # are found by `list.index` (in snapshot order, as a scan finds them).
+                loads = list(map(_load_of, candidates))
                 low = min(loads)
-                found = LoadScan(low, max(loads), tuple([r for r in candidates if r.load == low]))
+                at = loads.index(low)
+                least = [candidates[at]]
+                for _ in range(loads.count(low) - 1):
+                    at = loads.index(low, at + 1)
+                    least.append(candidates[at])
+                found = LoadScan(low, max(loads), tuple(least))
             else:
                 found = LoadScan(0, 0, ())
             _remember(self.memo.loads, request.exclude, found)
@@ -202,8 +224,23 @@ class Snapshot:
                 chosen.setdefault(view.id, view)
             return list(chosen.values())
         # Draws with replacement; unusable ones are skipped. `rng.choice(replicas)` draws the
-        # very number `replicas[rng.randrange(n)]` does, with less call overhead.
-        replicas, exclude, choice = self.replicas, request.exclude, rng.choice
+        # very number `replicas[rng.randrange(n)]` does, with less call overhead; for a plain
+        # `random.Random` its draw is written out (`_randbelow_with_getrandbits`: the same
+        # numbers from the same stream, a third of the calls).
+        replicas, exclude = self.replicas, request.exclude
+        if type(rng) is random.Random:
+            getrandbits, bits = rng.getrandbits, n.bit_length()
+            for _ in range(4 * k):
+                if len(chosen) >= k:
+                    break
+                at = getrandbits(bits)
+                while at >= n:
+                    at = getrandbits(bits)
+                view = replicas[at]
+                if view.healthy and view.id not in exclude and view.id not in chosen:
+                    chosen[view.id] = view
+            return list(chosen.values())
+        choice = rng.choice
         for _ in range(4 * k):
             if len(chosen) >= k:
                 break

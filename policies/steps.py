@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .domain import ReplicaView, RequestSummary, Snapshot
+from .domain import FleetMemo, ReplicaView, RequestSummary, Snapshot
 from .cost import CostParams, expected_costs
 
 
@@ -90,8 +90,11 @@ class ExpectedCost:
     params: CostParams
     placement: bool = True
 
-    def __call__(self, candidates: Sequence[ReplicaView], request: RequestSummary) -> list[float]:
-        return expected_costs(self.params, candidates, request, placement=self.placement)
+    def __call__(
+        self, candidates: Sequence[ReplicaView], request: RequestSummary, memo: FleetMemo | None = None
+    ) -> list[float]:
+        """`memo`: the snapshot's, where the costs other policies made on it are found."""
+        return expected_costs(self.params, candidates, request, placement=self.placement, memo=memo)
 
 
 # -- picker --------------------------------------------------------------------------------------
