@@ -39,7 +39,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .domain import Capabilities, Decision, FleetMemo, ReplicaView, RequestSummary, SessionView, Snapshot
+from .domain import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
 from .cost import CostParams, expected_cost, expected_costs, prefill_s
 from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
 
@@ -103,7 +103,7 @@ class CodingAgent:
         others = without(self.candidates(snapshot, request, rng), home.id)
         if not others:
             return Decision(home.id, "affinity")
-        choice, reason = self._choose(others, request, rng, "overflow", self.overflow_cost, snapshot.memo)
+        choice, reason = self._choose(others, request, rng, "overflow", self.overflow_cost)
         # Shed only where it pays: a cold prefill elsewhere must beat queueing at home.
         cost = self.params.cost
         home_cost = expected_cost(cost, home, request, is_home=True, placement=False)
@@ -159,7 +159,7 @@ class CodingAgent:
             return None
         # A retry after the home just failed this request keeps the home; others (re)assign it.
         sets_home = keyed and reason != "retry"
-        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost, snapshot.memo)
+        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost)
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
 
     def _choose(
@@ -169,14 +169,13 @@ class CodingAgent:
         rng: random.Random,
         reason: str,
         score: ExpectedCost,
-        memo: FleetMemo | None = None,
     ) -> tuple[ReplicaView, str]:
         """filter -> score -> pick; when every candidate is over a high-water mark the cheapest of
-        them still takes it (`fallback`). `memo`: the snapshot's (costs shared with other policies)."""
+        them still takes it (`fallback`)."""
         usable = self.high_water(pool)
         if not usable:
             usable, reason = pool, "fallback"
-        return self.pick(usable, score(usable, request, memo), rng), reason
+        return self.pick(usable, score(usable, request), rng), reason
 
     def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
         """Requests of the same session already at home are prefilled first: each costs about

@@ -39,6 +39,11 @@ class ReplicaView:
     # in-flight count, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).
     load: int = field(init=False, compare=False)
+    # This view's terms of the cost model (policies/cost.py), filled in on first use and kept
+    # with the view: the live decision, the decision log's prediction, every shadow policy and
+    # the next decisions (a view lasts until its replica changes) read them instead of
+    # recomputing. Not part of the view's value; a changed view starts without.
+    cost_terms: tuple[object, ...] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         running = self.num_running_reqs
@@ -88,27 +93,15 @@ class FleetMemo:
     """Scans of one snapshot, made on first use and shared by every policy deciding on it (the
     live policy and the shadow policies): the same pure result, computed once. A snapshot is
     immutable, so an entry never goes stale; `Snapshot.with_session` shares its memo. Entries
-    are per exclusion set (replicas a retry already tried), except the per-replica costs
-    (policies/cost.py), which are those of one request: the last one costed on this snapshot
-    (the live decision, then the decision log's predictions and the shadows on the same request)."""
+    are per exclusion set (replicas a retry already tried). (Per-replica cost terms are kept
+    with each replica's view: `ReplicaView.cost_terms`.)"""
 
-    __slots__ = ("candidates", "loads", "_costs", "_costs_of")
+    __slots__ = ("candidates", "loads")
     MAX_ENTRIES = 8  # exclusion sets differ only on retries; a long-lived snapshot stays small
 
     def __init__(self) -> None:
         self.candidates: dict[frozenset[str], tuple[ReplicaView, ...]] = {}
         self.loads: dict[frozenset[str], LoadScan] = {}
-        self._costs: dict[tuple[object, ...], dict[str, float]] = {}
-        self._costs_of: RequestSummary | None = None
-
-    def cost_tables(self, request: RequestSummary) -> dict[tuple[object, ...], dict[str, float]]:
-        """Replica id -> cost tables of `request` (keyed by cost model and terms, see
-        policies/cost.py). Known by identity: the live decision, its notes and the shadows get
-        the very summary object; a different request starts empty tables."""
-        if self._costs_of is not request:
-            self._costs_of = request  # held, so its id is never another request's
-            self._costs = {}
-        return self._costs
 
 
 _T = TypeVar("_T")

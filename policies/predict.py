@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import CostParams, expected_costs
+from .cost import CostParams, expected_cost
 from .domain import RequestSummary, Snapshot
 
 DEFAULT_COST = CostParams()
@@ -27,10 +27,5 @@ def predict(snapshot: Snapshot, request: RequestSummary, replica: str,
             params: CostParams = DEFAULT_COST) -> Prediction:
     cached = min(request.prompt_tokens, request.cached_tokens.get(replica, 0)) if request.cached_tokens else 0
     view = snapshot.get(replica)
-    ttft = None
-    if view is not None:
-        # The decision (or a shadow) has often costed this replica already. Only read: nothing
-        # after the notes costs this request on this snapshot again.
-        ttft = expected_costs(params, (view,), request, placement=False, memo=snapshot.memo,
-                              remember=False)[0]
+    ttft = expected_cost(params, view, request, placement=False) if view is not None else None
     return Prediction(replica, cached, ttft)
