@@ -17,7 +17,6 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
@@ -36,35 +35,6 @@ class Move:
     session: str
     source: str
     target: str
-
-
-class _ShadowSeries:
-    """One shadow policy's metric series, each resolved on its first use and then kept: a
-    shadow counts on every decision, so its series are not looked up again each time."""
-
-    __slots__ = ("metrics", "name", "_agrees", "_disagrees", "_ttft")
-
-    def __init__(self, metrics: RouterMetrics, name: str) -> None:
-        self.metrics, self.name = metrics, name
-        self._agrees: Any = None
-        self._disagrees: Any = None
-        self._ttft: Any = None
-
-    def decision(self, agrees: bool) -> Any:
-        m = self.metrics
-        if agrees:
-            if self._agrees is None:
-                self._agrees = m.child(m.shadow_decisions, self.name, "true")
-            return self._agrees
-        if self._disagrees is None:
-            self._disagrees = m.child(m.shadow_decisions, self.name, "false")
-        return self._disagrees
-
-    def predicted_ttft(self) -> Any:
-        if self._ttft is None:
-            m = self.metrics
-            self._ttft = m.child(m.shadow_predicted_ttft, self.name, "shadow")
-        return self._ttft
 
 
 class RoutingEngine:
@@ -100,7 +70,6 @@ class RoutingEngine:
         self.explain = False
         self.shadows: tuple[tuple[str, Policy], ...] = ()  # (name as configured, policy)
         self._shadow_rng = random.Random(0)
-        self._shadow_children: dict[str, _ShadowSeries] = {}
         # Called with the replica and whether the request was served (not retried, moved or
         # failed) each time a request's slot is released (admission control re-decides waiting
         # requests then, and counts completions); None: nobody listens.
@@ -175,29 +144,21 @@ class RoutingEngine:
                 if guess is None:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             shadows.append((name, other, guess))
-            if m is not None:
-                series = self._shadow_series(m, name)
-                series.decision(guess is not None and guess.replica == live).inc()
-                if guess is None:
-                    continue
-                # Looked up each time: the series of a replica that left are dropped with it.
-                m.child(m.shadow_picks, guess.replica, name).inc()
-                if guess.ttft_s is not None:
-                    series.predicted_ttft().inc(guess.ttft_s)
+            if m is not None:  # plain counters (metrics/plain_counter.py): a dict add each
+                agrees = guess is not None and guess.replica == live
+                m.shadow_decisions.add((name, "true" if agrees else "false"))
+                if guess is not None:
+                    m.shadow_picks.add((guess.replica, name))
+                    if guess.ttft_s is not None:
+                        m.shadow_predicted_ttft.add((name, "shadow"), guess.ttft_s)
         if m is not None and shadows and chosen.ttft_s is not None:
-            m.child(m.shadow_predicted_ttft, self.policy.name, "live").inc(chosen.ttft_s)
+            m.shadow_predicted_ttft.add((self.policy.name, "live"), chosen.ttft_s)
         healthy = snapshot.healthy_count
         if healthy is None:
             healthy = sum(r.healthy for r in snapshot.replicas)
         if summary.exclude:
             healthy -= sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
         return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy)
-
-    def _shadow_series(self, m: RouterMetrics, name: str) -> _ShadowSeries:
-        found = self._shadow_children.get(name)
-        if found is None or found.metrics is not m:
-            found = self._shadow_children[name] = _ShadowSeries(m, name)
-        return found
 
     def place(
         self,
