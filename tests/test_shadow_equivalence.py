@@ -149,11 +149,14 @@ def test_choice_draws_what_randrange_draws() -> None:
     assert [a.choice(seq) for _ in range(500)] == [seq[b.randrange(len(seq))] for _ in range(500)]
 
 
+@pytest.mark.parametrize("replicas", [12, 100])  # 100 > 4 x 16: coding-agent samples the fleet
 @pytest.mark.parametrize("name", BUILT_IN)
-def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str) -> None:
+def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str, replicas: int) -> None:
     # Live and shadow instances of the same policy, their random streams seeded alike, on a
-    # fleet that changes between decisions (dispatches, polls, health, sessions, cached prefixes).
-    urls = [f"http://r{i}" for i in range(12)]
+    # fleet that changes between decisions (dispatches, polls, health, sessions, cached prefixes):
+    # the shadow decides after the live policy on the same snapshot and views, reading what the
+    # live decision left (fleet scans, cost terms), and must still pick what it picks live.
+    urls = [f"http://r{i}" for i in range(replicas)]
     engine = RoutingEngine(build_policy(name), ReplicaRegistry(urls), ShadowKVIndex(), SessionTable(),
                            random.Random(0), metrics=RouterMetrics())
     engine.shadows = ((name, build_policy(name)),)
