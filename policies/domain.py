@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
@@ -105,7 +104,6 @@ class FleetMemo:
 
 
 _T = TypeVar("_T")
-_load_of = attrgetter("load")
 
 
 def _remember(memo: dict[frozenset[str], _T], key: frozenset[str], value: _T) -> _T:
@@ -131,12 +129,13 @@ class Snapshot:
     healthy_count: int | None = None
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
+    loads: tuple[int, ...] | None = None  # each replica's `load`, in `replicas` order
     # Fleet scans already made on these replicas (not part of the snapshot's value).
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
         return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch, self.memo)
+                        self.healthy_count, self.fresh, self.epoch, self.loads, self.memo)
 
     def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
         """Healthy replicas not already tried for this request, in snapshot order: scanned once
@@ -161,8 +160,11 @@ class Snapshot:
             candidates = self.candidate_views(request)
             if candidates:
                 # Builtins over a list of loads, no per-replica Python step: the least-loaded few
-                # are found by `list.index` (in snapshot order, as a scan finds them).
-                loads = list(map(_load_of, candidates))
+                # are found by `index` (in snapshot order, as a scan finds them). The registry's
+                # loads serve when every replica is a candidate: no view is read at all.
+                loads = self.loads
+                if loads is None or candidates is not self.replicas:
+                    loads = [r.load for r in candidates]
                 low = min(loads)
                 at = loads.index(low)
                 least = [candidates[at]]
