@@ -85,6 +85,7 @@ def expected_costs(
     prompt = request.prompt_tokens
     cached_on, host_on = request.cached_tokens, request.host_cached_tokens
     cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
+    held = bool(cached_on) or bool(host_on)  # a new prompt: nobody holds any of it
     out: list[float] = []
     append = out.append
     for replica in replicas:
@@ -93,15 +94,15 @@ def expected_costs(
             terms = _view_terms(model, replica)
         _, queueing, pressure, capacity, sessions_new, sessions_home, evict_from, homed = terms
         rid = replica.id
-        cached = cached_on.get(rid, 0) if cached_on else 0
-        on_host = host_on.get(rid, 0) if host_on else 0
-        if cached or on_host:
-            cached = min(cached, prompt)
-            on_host = min(on_host, prompt - cached)
-            uncached = prompt - cached - on_host
-            cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
-        else:
-            cost = cold_prefill
+        cost = cold_prefill
+        if held:
+            cached = cached_on.get(rid, 0) if cached_on else 0
+            on_host = host_on.get(rid, 0) if host_on else 0
+            if cached or on_host:
+                cached = min(cached, prompt)
+                on_host = min(on_host, prompt - cached)
+                uncached = prompt - cached - on_host
+                cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
         cost += queueing
         if pressure:  # running requests' KV near the limit: new work waits for memory
             cost += pressure
@@ -112,9 +113,9 @@ def expected_costs(
             demand = homed + (prompt if new else 0)
             cost += kv_demand_s * demand / capacity
             cost += sessions_new if new else sessions_home
-            overflow = int(demand - evict_from)
-            if overflow > 0:  # that much cached context gets evicted and recomputed later
-                cost += p.capacity_weight * prefill_s(p, overflow, 0)
+            excess = demand - evict_from
+            if excess >= 1:  # int(excess) > 0: that much cached context is evicted, recomputed
+                cost += p.capacity_weight * prefill_s(p, int(excess), 0)
         append(cost)
     return out
 
