@@ -15,6 +15,7 @@ FLOPs per token pair over 4 GPUs at ~1 PFLOP/s effective each; host KV reloads a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,48 +73,93 @@ def expected_costs(
     placement: bool = True,
 ) -> list[float]:
     """`expected_cost` of one request on each replica (`home`: the one it is homed on), in one
-    loop: what a decision over many candidates needs, without a call per candidate."""
+    loop: what a decision over many candidates needs, without a call per candidate.
+
+    The terms that depend on the replica alone (queueing, decode batch, KV pressure, homed KV
+    and sessions) are computed once per view and cost model and kept with the view
+    (`ReplicaView.cost_terms`): whoever costs the replica next (another policy on the same
+    snapshot, the decision log's prediction, the next decisions while the replica is unchanged)
+    adds them in the very order this loop always did, so every cost is the same float."""
+    model = _model(p)
+    key, kv_demand_s = model.key, model.kv_demand_s
     prompt = request.prompt_tokens
     cached_on, host_on = request.cached_tokens, request.host_cached_tokens
     cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
-    # The parameters, read once: this loop runs on every candidate of every decision.
-    queue_s, decode_s, max_running = p.queue_s_per_waiting, p.decode_s_per_running, p.max_running
-    target = p.capacity_target
-    pressure_span = 1.0 - target + 1e-9
-    default_capacity, kv_demand_s, session_s = p.default_capacity_tokens, p.kv_demand_s, p.session_s
+    held = bool(cached_on) or bool(host_on)  # a new prompt: nobody holds any of it
     out: list[float] = []
     append = out.append
     for replica in replicas:
+        terms = replica.cost_terms
+        if terms is None or terms[0] is not key:
+            terms = _view_terms(model, replica)
+        _, queueing, pressure, capacity, sessions_new, sessions_home, evict_from, homed = terms
         rid = replica.id
-        cached = cached_on.get(rid, 0) if cached_on else 0
-        on_host = host_on.get(rid, 0) if host_on else 0
-        if cached or on_host:
-            cached = min(cached, prompt)
-            on_host = min(on_host, prompt - cached)
-            uncached = prompt - cached - on_host
-            cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
-        else:
-            cost = cold_prefill
-
-        load = replica.load
-        queued = replica.num_queue_reqs or 0
-        waiting = load - max_running if load - max_running > queued else queued
-        cost += waiting * queue_s + (load if load < max_running else max_running) * decode_s
-
-        # Running requests' KV near the limit: new work waits for memory (or forces a retraction).
-        usage = replica.token_usage or 0.0
-        if usage > target:
-            cost += queue_s * (usage - target) / pressure_span
+        cost = cold_prefill
+        if held:
+            cached = cached_on.get(rid, 0) if cached_on else 0
+            on_host = host_on.get(rid, 0) if host_on else 0
+            if cached or on_host:
+                cached = min(cached, prompt)
+                on_host = min(on_host, prompt - cached)
+                uncached = prompt - cached - on_host
+                cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
+        cost += queueing
+        if pressure:  # running requests' KV near the limit: new work waits for memory
+            cost += pressure
 
         if placement:
             # KV the replica's homed sessions already need; a new session adds its whole context.
-            capacity = replica.max_total_num_tokens or default_capacity
             new = rid != home
-            demand = replica.homed_tokens + (prompt if new else 0)
+            demand = homed + (prompt if new else 0)
             cost += kv_demand_s * demand / capacity
-            cost += session_s * (replica.homed_sessions + new)
-            overflow = int(demand - target * capacity)
-            if overflow > 0:  # that much cached context gets evicted and recomputed later
-                cost += p.capacity_weight * prefill_s(p, overflow, 0)
+            cost += sessions_new if new else sessions_home
+            excess = demand - evict_from
+            if excess >= 1:  # int(excess) > 0: that much cached context is evicted, recomputed
+                cost += p.capacity_weight * prefill_s(p, int(excess), 0)
         append(cost)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """A `CostParams` read once. Equal parameter sets share one `key` (object), so the terms a
+    view keeps serve every policy costing with them (the prediction's defaults and the policy's
+    are equal, not the same object)."""
+
+    params: CostParams
+    key: object
+    kv_demand_s: float
+
+
+_MODELS: dict[int, _Model] = {}  # id(params) -> model (the params held, so the id stays theirs)
+_KEYS: dict[tuple[object, ...], object] = {}  # parameter values -> key
+
+
+def _model(p: CostParams) -> _Model:
+    found = _MODELS.get(id(p))
+    if found is None or found.params is not p:
+        if len(_MODELS) >= 256:  # parameter sets are made at start-up (tests make more)
+            _MODELS.clear()
+        values = tuple(getattr(p, name) for name in type(p).model_fields)
+        key = _KEYS.setdefault(values, values)
+        found = _MODELS[id(p)] = _Model(p, key, p.kv_demand_s)
+    return found
+
+
+def _view_terms(model: _Model, replica: ReplicaView) -> tuple[object, ...]:
+    """The request-independent terms of `replica`'s cost, each the very expression the cost
+    adds (so the sums are unchanged), kept with the view."""
+    p = model.params
+    queue_s, max_running, target = p.queue_s_per_waiting, p.max_running, p.capacity_target
+    load = replica.load
+    queued = replica.num_queue_reqs or 0
+    waiting = load - max_running if load - max_running > queued else queued
+    queueing = waiting * queue_s + (load if load < max_running else max_running) * p.decode_s_per_running
+    usage = replica.token_usage or 0.0
+    pressure = queue_s * (usage - target) / (1.0 - target + 1e-9) if usage > target else 0.0
+    capacity = replica.max_total_num_tokens or p.default_capacity_tokens
+    sessions = replica.homed_sessions
+    terms = (model.key, queueing, pressure, capacity, p.session_s * (sessions + True),
+             p.session_s * (sessions + False), target * capacity, replica.homed_tokens)
+    object.__setattr__(replica, "cost_terms", terms)
+    return terms

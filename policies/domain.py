@@ -38,6 +38,11 @@ class ReplicaView:
     # in-flight count, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).
     load: int = field(init=False, compare=False)
+    # This view's terms of the cost model (policies/cost.py), filled in on first use and kept
+    # with the view: the live decision, the decision log's prediction, every shadow policy and
+    # the next decisions (a view lasts until its replica changes) read them instead of
+    # recomputing. Not part of the view's value; a changed view starts without.
+    cost_terms: tuple[object, ...] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         running = self.num_running_reqs
@@ -87,7 +92,8 @@ class FleetMemo:
     """Scans of one snapshot, made on first use and shared by every policy deciding on it (the
     live policy and the shadow policies): the same pure result, computed once. A snapshot is
     immutable, so an entry never goes stale; `Snapshot.with_session` shares its memo. Entries
-    are per exclusion set (replicas a retry already tried)."""
+    are per exclusion set (replicas a retry already tried). (Per-replica cost terms are kept
+    with each replica's view: `ReplicaView.cost_terms`.)"""
 
     __slots__ = ("candidates", "loads")
     MAX_ENTRIES = 8  # exclusion sets differ only on retries; a long-lived snapshot stays small
@@ -123,12 +129,13 @@ class Snapshot:
     healthy_count: int | None = None
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
+    loads: tuple[int, ...] | None = None  # each replica's `load`, in `replicas` order
     # Fleet scans already made on these replicas (not part of the snapshot's value).
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
         return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch, self.memo)
+                        self.healthy_count, self.fresh, self.epoch, self.loads, self.memo)
 
     def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
         """Healthy replicas not already tried for this request, in snapshot order: scanned once
@@ -152,9 +159,19 @@ class Snapshot:
         if found is None:
             candidates = self.candidate_views(request)
             if candidates:
-                loads = [r.load for r in candidates]
+                # Builtins over a list of loads, no per-replica Python step: the least-loaded few
+                # are found by `index` (in snapshot order, as a scan finds them). The registry's
+                # loads serve when every replica is a candidate: no view is read at all.
+                loads = self.loads
+                if loads is None or candidates is not self.replicas:
+                    loads = [r.load for r in candidates]
                 low = min(loads)
-                found = LoadScan(low, max(loads), tuple([r for r in candidates if r.load == low]))
+                at = loads.index(low)
+                least = [candidates[at]]
+                for _ in range(loads.count(low) - 1):
+                    at = loads.index(low, at + 1)
+                    least.append(candidates[at])
+                found = LoadScan(low, max(loads), tuple(least))
             else:
                 found = LoadScan(0, 0, ())
             _remember(self.memo.loads, request.exclude, found)
@@ -202,8 +219,23 @@ class Snapshot:
                 chosen.setdefault(view.id, view)
             return list(chosen.values())
         # Draws with replacement; unusable ones are skipped. `rng.choice(replicas)` draws the
-        # very number `replicas[rng.randrange(n)]` does, with less call overhead.
-        replicas, exclude, choice = self.replicas, request.exclude, rng.choice
+        # very number `replicas[rng.randrange(n)]` does, with less call overhead; for a plain
+        # `random.Random` its draw is written out (`_randbelow_with_getrandbits`: the same
+        # numbers from the same stream, a third of the calls).
+        replicas, exclude = self.replicas, request.exclude
+        if type(rng) is random.Random:
+            getrandbits, bits = rng.getrandbits, n.bit_length()
+            for _ in range(4 * k):
+                if len(chosen) >= k:
+                    break
+                at = getrandbits(bits)
+                while at >= n:
+                    at = getrandbits(bits)
+                view = replicas[at]
+                if view.healthy and view.id not in exclude and view.id not in chosen:
+                    chosen[view.id] = view
+            return list(chosen.values())
+        choice = rng.choice
         for _ in range(4 * k):
             if len(chosen) >= k:
                 break

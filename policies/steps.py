@@ -32,6 +32,8 @@ class CandidateSampler:
 
     def __call__(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> list[ReplicaView]:
         cached = request.cached_tokens
+        if not cached:  # a prompt nobody holds (most new sessions): nothing to rank or draw
+            return snapshot.sample(request, self.max_candidates, rng)
         ranked = sorted(cached.items(), key=lambda kv: (-kv[1], kv[0]))  # stable before drawing
         holders = [r for _, _, r in sorted((-c, rng.random(), r) for r, c in ranked)]
         half = self.max_candidates // 2
@@ -111,5 +113,32 @@ class NearTiePowerOfTwo:
         ties = [r for c, r in zip(scores, candidates) if c <= limit]
         if len(ties) == 1:
             return ties[0]
-        a, b = rng.sample(ties, 2)
+        a, b = _two_of(ties, rng)
         return a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b
+
+
+def _two_of(ties: list[ReplicaView], rng: random.Random) -> tuple[ReplicaView, ReplicaView]:
+    """`rng.sample(ties, 2)`. For a plain `random.Random` its two draws are written out (the
+    same numbers from the same stream, as `Random.sample` makes them for k=2), without its
+    argument checks and pool copy: this runs on most placements."""
+    if type(rng) is not random.Random:
+        a, b = rng.sample(ties, 2)
+        return a, b
+    n = len(ties)
+    getrandbits = rng.getrandbits
+    bits = n.bit_length()
+    i = getrandbits(bits)
+    while i >= n:
+        i = getrandbits(bits)
+    if n <= 21:  # sample() draws from a shrinking pool: the first pick's slot takes the last one
+        bits = (n - 1).bit_length()
+        j = getrandbits(bits)
+        while j >= n - 1:
+            j = getrandbits(bits)
+        return ties[i], ties[n - 1 if j == i else j]
+    j = i  # a larger population: draws again until the second index differs
+    while j == i:
+        j = getrandbits(bits)
+        while j >= n:
+            j = getrandbits(bits)
+    return ties[i], ties[j]

@@ -102,6 +102,7 @@ class AdminAPI:
         for view in registry.snapshot().replicas:
             row = dataclasses.asdict(view)
             row["url"] = row.pop("id")
+            del row["cost_terms"]  # the cost model's cache, not the replica's state
             row["draining"] = self.membership.is_draining(view.id)
             out.append(row)
         return out

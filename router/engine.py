@@ -131,8 +131,9 @@ class RoutingEngine:
     def notes(self, snapshot: Snapshot, summary: RequestSummary, decision: Decision) -> DecisionNotes:
         """What `decision` predicts, and where each shadow policy would have sent the request
         (pure calls on the same snapshot; the shadow metrics are counted here)."""
-        chosen = predict(snapshot, summary, decision.replica)
-        predicted = {decision.replica: chosen}  # a pick already predicted is not costed again
+        live = decision.replica
+        chosen = predict(snapshot, summary, live)
+        predicted = {live: chosen}  # a pick already predicted is not costed again
         shadows = []
         m = self.metrics
         for name, shadow in self.shadows:
@@ -143,20 +144,21 @@ class RoutingEngine:
                 if guess is None:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             shadows.append((name, other, guess))
-            if m is not None:
-                agrees = guess is not None and guess.replica == decision.replica
-                m.child(m.shadow_decisions, name, "true" if agrees else "false").inc()
+            if m is not None:  # plain counters (metrics/plain_counter.py): a dict add each
+                agrees = guess is not None and guess.replica == live
+                m.shadow_decisions.add((name, "true" if agrees else "false"))
                 if guess is not None:
-                    m.child(m.shadow_picks, guess.replica, name).inc()
-                if guess is not None and guess.ttft_s is not None:
-                    m.child(m.shadow_predicted_ttft, name, "shadow").inc(guess.ttft_s)
-        if m is not None and self.shadows and chosen.ttft_s is not None:
-            m.child(m.shadow_predicted_ttft, self.policy.name, "live").inc(chosen.ttft_s)
+                    m.shadow_picks.add((guess.replica, name))
+                    if guess.ttft_s is not None:
+                        m.shadow_predicted_ttft.add((name, "shadow"), guess.ttft_s)
+        if m is not None and shadows and chosen.ttft_s is not None:
+            m.shadow_predicted_ttft.add((self.policy.name, "live"), chosen.ttft_s)
         healthy = snapshot.healthy_count
         if healthy is None:
             healthy = sum(r.healthy for r in snapshot.replicas)
-        tried = sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
-        return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy - tried)
+        if summary.exclude:
+            healthy -= sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
+        return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy)
 
     def place(
         self,

@@ -53,6 +53,7 @@ class ReplicaRegistry:
         self._healthy_load = 0
         self._healthy_count = 0
         self._fresh: dict[str, None] = {}
+        self._loads: dict[str, int] = {}  # each view's load, in view order (load-scanning policies)
         self._epoch = 0
         # Which registration of a URL is current: a slot reserved on an earlier one (the replica
         # was removed and added back meanwhile) must not be released on the new one.
@@ -68,6 +69,7 @@ class ReplicaRegistry:
             return False
         view = ReplicaView(id=url, fresh=fresh)
         self._views[url] = view
+        self._loads[url] = view.load
         self._account(view, 1)
         self._failures[url] = 0
         self._registered += 1
@@ -84,6 +86,7 @@ class ReplicaRegistry:
         view = self._views.pop(url, None)
         if view is None:
             return False
+        del self._loads[url]
         self._account(view, -1)
         self._failures.pop(url, None)
         self._registrations.pop(url, None)
@@ -126,7 +129,7 @@ class ReplicaRegistry:
         if self._snapshot is None:
             self._snapshot = Snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
-                self._healthy_count, tuple(self._fresh), self._epoch,
+                self._healthy_count, tuple(self._fresh), self._epoch, tuple(self._loads.values()),
             )
         return self._snapshot
 
@@ -138,6 +141,7 @@ class ReplicaRegistry:
         view = _replaced(view, changes)
         self._account(view, 1)
         self._views[url] = view
+        self._loads[url] = view.load
         self._snapshot = None
         return view
 

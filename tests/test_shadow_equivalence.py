@@ -149,11 +149,14 @@ def test_choice_draws_what_randrange_draws() -> None:
     assert [a.choice(seq) for _ in range(500)] == [seq[b.randrange(len(seq))] for _ in range(500)]
 
 
+@pytest.mark.parametrize("replicas", [12, 100])  # 100 > 4 x 16: coding-agent samples the fleet
 @pytest.mark.parametrize("name", BUILT_IN)
-def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str) -> None:
+def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str, replicas: int) -> None:
     # Live and shadow instances of the same policy, their random streams seeded alike, on a
-    # fleet that changes between decisions (dispatches, polls, health, sessions, cached prefixes).
-    urls = [f"http://r{i}" for i in range(12)]
+    # fleet that changes between decisions (dispatches, polls, health, sessions, cached prefixes):
+    # the shadow decides after the live policy on the same snapshot and views, reading what the
+    # live decision left (fleet scans, cost terms), and must still pick what it picks live.
+    urls = [f"http://r{i}" for i in range(replicas)]
     engine = RoutingEngine(build_policy(name), ReplicaRegistry(urls), ShadowKVIndex(), SessionTable(),
                            random.Random(0), metrics=RouterMetrics())
     engine.shadows = ((name, build_policy(name)),)
@@ -187,3 +190,36 @@ def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str) -> None
     reg = engine.metrics.registry
     assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": "false"}) is None
     assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": "true"}) > 200
+
+
+def test_the_registry_hands_snapshots_the_loads_of_their_views() -> None:
+    # Least-load and prefix-aware scan the registry's loads instead of the views: after any
+    # sequence of membership, dispatch, poll and health changes they must be the views' loads.
+    rng = random.Random(13)
+    registry = ReplicaRegistry([f"http://r{i}" for i in range(8)])
+    plain_rng, policy_rng = random.Random(4), random.Random(4)
+    least_load = build_policy("least-load")
+    for step in range(600):
+        urls = registry.urls()
+        url = rng.choice(urls) if urls else "http://r0"
+        action = rng.random()
+        if action < 0.05:
+            registry.remove(url)
+        elif action < 0.1:
+            registry.add(f"http://r{rng.randrange(12)}", fresh=rng.random() < 0.5)
+        elif action < 0.4:
+            registry.dispatched(url, rng.randrange(100))
+        elif action < 0.6:
+            registry.completed(url, 0)
+        elif action < 0.8:
+            registry.update_signals(url, ReplicaSignals(num_running_reqs=rng.randrange(0, 9),
+                                                        num_queue_reqs=rng.randrange(0, 3)))
+        elif action < 0.9:
+            registry.record_failure(url)
+        else:
+            registry.record_success(url)
+        snapshot = registry.snapshot()
+        assert snapshot.loads == tuple(v.load for v in snapshot.replicas), step
+        request = RequestSummary("/x")
+        decision = least_load.decide(snapshot, request, policy_rng)
+        assert (decision.replica if decision else None) == plain_least_load(snapshot, request, plain_rng)

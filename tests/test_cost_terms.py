@@ -1,0 +1,149 @@
+"""The shortcuts the decision path takes give exactly what the plain definitions give: the cost
+terms a view keeps (policies/cost.py), the written-out draws of a plain Random (candidate
+sampling, near-tie picks), and the plain counters the shadow metrics use."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvrouter.metrics.plain_counter import PlainCounter
+from kvrouter.metrics.router_metrics import RouterMetrics
+from kvrouter.policies.cost import CostParams, expected_costs, prefill_s
+from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.steps import _two_of
+
+
+def plain_cost(p: CostParams, replica: ReplicaView, request: RequestSummary, home: str | None,
+               placement: bool) -> float:
+    """The cost model written out for one replica, term by term, as it read before any terms
+    were kept with the view."""
+    prompt = request.prompt_tokens
+    cached = request.cached_tokens.get(replica.id, 0)
+    on_host = request.host_cached_tokens.get(replica.id, 0)
+    if cached or on_host:
+        cached = min(cached, prompt)
+        on_host = min(on_host, prompt - cached)
+        uncached = prompt - cached - on_host
+        cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
+    else:
+        cost = prefill_s(p, prompt, 0)
+    load, queued = replica.load, replica.num_queue_reqs or 0
+    waiting = max(load - p.max_running, queued)
+    cost += waiting * p.queue_s_per_waiting + min(load, p.max_running) * p.decode_s_per_running
+    usage = replica.token_usage or 0.0
+    if usage > p.capacity_target:
+        cost += p.queue_s_per_waiting * (usage - p.capacity_target) / (1.0 - p.capacity_target + 1e-9)
+    if placement:
+        capacity = replica.max_total_num_tokens or p.default_capacity_tokens
+        new = replica.id != home
+        demand = replica.homed_tokens + (prompt if new else 0)
+        cost += p.kv_demand_s * demand / capacity
+        cost += p.session_s * (replica.homed_sessions + new)
+        overflow = int(demand - p.capacity_target * capacity)
+        if overflow > 0:
+            cost += p.capacity_weight * prefill_s(p, overflow, 0)
+    return cost
+
+
+def random_views(rng: random.Random, n: int) -> list[ReplicaView]:
+    return [ReplicaView(f"r{i}", in_flight=rng.randrange(60),
+                        num_running_reqs=rng.choice([None, rng.randrange(60)]),
+                        num_queue_reqs=rng.choice([None, rng.randrange(5)]),
+                        token_usage=rng.choice([None, rng.random()]),
+                        max_total_num_tokens=rng.choice([None, 200_000]),
+                        homed_sessions=rng.randrange(6), homed_tokens=rng.randrange(600_000))
+            for i in range(n)]
+
+
+def test_costs_from_kept_terms_are_the_plain_model_bit_for_bit() -> None:
+    # Two cost models take turns on the same views: each must find its own terms, never the
+    # other's; equal parameter sets (distinct objects) share them.
+    rng = random.Random(3)
+    models = [CostParams(), CostParams(queue_s_per_waiting=0.3, session_s=0.5, capacity_target=0.8),
+              CostParams()]
+    views = random_views(rng, 12)
+    for _ in range(200):
+        request = RequestSummary("/v1/chat/completions", prompt_tokens=rng.randrange(1, 200_000),
+                                 cached_tokens={f"r{i}": rng.randrange(250_000) for i in range(0, 12, 3)},
+                                 host_cached_tokens={"r1": rng.randrange(250_000)})
+        p = rng.choice(models)
+        home = rng.choice(["r2", None, "gone"])
+        for placement in (True, False):
+            expected = [plain_cost(p, v, request, home, placement) for v in views]
+            assert expected_costs(p, views, request, home=home, placement=placement) == expected
+        if rng.random() < 0.3:  # a replica changes: its new view starts without terms
+            at = rng.randrange(len(views))
+            views[at] = dataclasses.replace(views[at], in_flight=rng.randrange(60),
+                                            homed_sessions=rng.randrange(6))
+            assert views[at].cost_terms is None
+
+
+def test_kept_terms_are_not_part_of_the_view() -> None:
+    view = ReplicaView("a", num_running_reqs=3)
+    twin = ReplicaView("a", num_running_reqs=3)
+    expected_costs(CostParams(), [view], RequestSummary("/x", prompt_tokens=10))
+    assert view.cost_terms is not None and twin.cost_terms is None
+    assert view == twin and hash(view) == hash(twin) and "cost_terms" not in repr(view)
+
+
+class CountingRandom(random.Random):
+    """A Random subclass: the shortcuts must leave it to its own methods."""
+
+
+@pytest.mark.parametrize("rng_type", [random.Random, CountingRandom])
+def test_written_out_draws_are_the_random_module_draws(rng_type) -> None:
+    for n in [*range(2, 30), 64, 65, 100, 1000]:
+        population = [ReplicaView(f"r{i}") for i in range(n)]
+        for seed in range(40):
+            ours, theirs = rng_type(seed), random.Random(seed)
+            for _ in range(4):
+                assert _two_of(population, ours) == tuple(theirs.sample(population, 2))
+            assert ours.random() == theirs.random()  # the streams stay in step
+
+
+@pytest.mark.parametrize("rng_type", [random.Random, CountingRandom])
+def test_fleet_sample_draws_what_choice_draws(rng_type) -> None:
+    rng = random.Random(9)
+    views = tuple(ReplicaView(f"r{i}", healthy=rng.random() < 0.9) for i in range(150))
+    snapshot = Snapshot(views)
+    for seed in range(50):
+        request = RequestSummary("/x", exclude=frozenset(rng.sample([v.id for v in views], 3)))
+        ours, theirs = rng_type(seed), random.Random(seed)
+        chosen: dict[str, ReplicaView] = {}
+        for _ in range(4 * 16):  # the plain definition: choice() until 16 usable ones
+            if len(chosen) >= 16:
+                break
+            view = theirs.choice(views)
+            if view.healthy and view.id not in request.exclude:
+                chosen.setdefault(view.id, view)
+        assert snapshot.sample(request, 16, ours) == list(chosen.values())
+        assert ours.random() == theirs.random()
+
+
+def test_plain_counter_exposes_what_a_prometheus_counter_does() -> None:
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = PlainCounter("x_picks_total", "Picks.", ["replica", "shadow"], registry=ours_registry)
+    theirs = Counter("x_picks_total", "Picks.", ["replica", "shadow"], registry=theirs_registry)
+    assert generate_latest(ours_registry) == generate_latest(theirs_registry)  # no series yet
+    for replica, shadow, amount in [("a", "s", 1.0), ("b", "s", 0.25), ("a", "s", 2.0), ("a", "t", 1.0)]:
+        ours.add((replica, shadow), amount)
+        theirs.labels(replica, shadow).inc(amount)
+    created = [line for line in generate_latest(theirs_registry).splitlines() if b"_created" not in line]
+    assert generate_latest(ours_registry).splitlines() == created
+    assert ours_registry.get_sample_value("x_picks_total", {"replica": "a", "shadow": "s"}) == 3.0
+
+
+def test_a_leaving_replica_takes_its_shadow_pick_series_with_it() -> None:
+    m = RouterMetrics()
+    m.shadow_picks.add(("http://a", "least-load"))
+    m.shadow_picks.add(("http://b", "least-load"))
+    m.shadow_decisions.add(("least-load", "true"))
+    m.forget_replica("http://a")
+    sample = m.registry.get_sample_value
+    assert sample("kvrouter_shadow_picks_total", {"replica": "http://a", "shadow": "least-load"}) is None
+    assert sample("kvrouter_shadow_picks_total", {"replica": "http://b", "shadow": "least-load"}) == 1.0
+    assert sample("kvrouter_shadow_decisions_total", {"shadow": "least-load", "agrees": "true"}) == 1.0
