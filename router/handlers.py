@@ -19,9 +19,13 @@ from .headers import REQUEST_ID, request_id_from
 from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
+from .body_prefixes import BodyPrefixes
+from .prefix import session_key
 from .prefix_chain import PrefixChains
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
 from .usage import body_asking_stream_usage
+
+CHAT_ROUTE = "/v1/chat/completions"
 from .tokenizers import TokenizePool
 
 
@@ -49,6 +53,7 @@ class Handlers:
         self._exact_blocks = exact_blocks
         self.tokenize_pool = tokenize_pool
         self.prefix_chains = PrefixChains(int(config.routing.prefix_chain_cache_mb * 2**20))
+        self.chat_bodies = BodyPrefixes(int(config.routing.prefix_chain_cache_mb * 2**20))
         # PD disaggregation: the (prefill, decode) pollers; /ready needs a member of each pool
         # that is healthy and has answered a poll
         self.pd_pollers = pd_pollers
@@ -92,7 +97,10 @@ class Handlers:
             return error_response(408, "request body not received in time", "invalid_request_error",
                                   {**rid_header, "Connection": "close"})
         try:
-            parsed = orjson.loads(body)
+            if route == CHAT_ROUTE:  # an agent's next turn: only its new bytes are parsed
+                parsed = self.chat_bodies.loads(body, self._header_session(request.headers))
+            else:
+                parsed = orjson.loads(body)
         except orjson.JSONDecodeError as err:
             return error_response(400, f"invalid JSON body: {err}", "invalid_request_error", rid_header)
         if not isinstance(parsed, dict):
@@ -158,6 +166,10 @@ class Handlers:
             model if isinstance(model, str) else None)
         return summarize(route, parsed, headers, self.config.routing, exact, bytes_per_token,
                          self.prefix_chains)
+
+    def _header_session(self, headers: Mapping[str, str]) -> str | None:
+        """The session key a request's headers give (its body's fields are not parsed yet)."""
+        return session_key(headers, {}, self.config.routing.session_headers, ())
 
     def _known_replica(self, hint: object) -> str | None:
         if not isinstance(hint, str) or len(hint) > 2048:
