@@ -29,6 +29,9 @@ from yarl import URL
 IDLE_KEEPALIVE_S = 4.0
 # Unread response bytes above this pause reading from the replica (TCP back-pressure).
 _READ_HIGH_WATER = 1 << 20
+# A request body this large goes out behind its head in one vectored write instead of being
+# copied behind it; below it the copy is cheaper than the vectored write's bookkeeping.
+_VECTORED_BODY_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -165,7 +168,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     # -- one exchange -------------------------------------------------------------------------
-    async def exchange(self, data: bytes, deadline: float) -> UpstreamResponse:
+    async def exchange(self, data: bytes | tuple[bytes, bytes], deadline: float) -> UpstreamResponse:
         """Send `data`; return once the response headers arrive. `deadline` (loop time) ends the
         whole exchange; the pool's header and idle timeouts count from now."""
         assert self.transport is not None and self._response is None
@@ -181,7 +184,10 @@ class _Connection(asyncio.Protocol):
         # from a later byte), so the timer is never re-armed when the headers come quickly.
         self._timer = self.loop.call_at(min(self._head_at, now + self.pool.idle_timeout_s),
                                         self._check_deadlines)
-        self.transport.write(data)
+        if isinstance(data, tuple):
+            self.transport.writelines(data)
+        else:
+            self.transport.write(data)
         try:
             return await head
         except BaseException:
@@ -342,12 +348,16 @@ class _Connection(asyncio.Protocol):
             self._response._finish()
 
 
-def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str],
+               body: bytes) -> bytes | tuple[bytes, bytes]:
+    """The request's bytes: one string, or for a large body the head and the body, written
+    together by one vectored write (no copy of the body behind its head)."""
     fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
     head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}Content-Length: {len(body)}\r\n\r\n"
     if head.count("\n") != len(headers) + 4 or head.count("\r") != len(headers) + 4:
         raise ValueError("line break in a request header")  # would smuggle a header or a request
-    return head.encode("utf-8", "surrogateescape") + body
+    encoded = head.encode("utf-8", "surrogateescape")
+    return (encoded, body) if len(body) >= _VECTORED_BODY_BYTES else encoded + body
 
 
 class UpstreamPool:
