@@ -246,7 +246,11 @@ class BodyPrefixes:
             candidates: Iterable[int] = (closer,) if closer > 0 and body[closer] == _CLOSER else ()
         else:
             candidates = _closers_before(body, orjson.dumps(later[0]))
+        budget = len(body)  # bytes parsed after candidates: at most one more whole parse
         for pos in candidates:
+            budget -= len(body) - pos
+            if budget < 0:
+                return None
             try:
                 after = orjson.loads(b"".join((_OPEN_EMPTY, view[pos:])))
             except orjson.JSONDecodeError:
