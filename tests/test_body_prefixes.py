@@ -194,3 +194,28 @@ async def test_the_router_forwards_the_clients_bytes_and_refuses_a_bad_turn(star
     # the client's bytes, and the router's request for the stream's usage after them
     asked = b',"stream_options":{"include_usage":true}}'
     assert [req["raw"] for req in fake.requests] == [body[:-1] + asked for body in bodies[:3]]
+
+
+def test_locating_the_end_of_messages_parses_at_most_one_body_more(monkeypatch) -> None:
+    # 40 nested `],"stream":` after "messages", each followed by 10 KB: the tails tried from the
+    # right would add up to many bodies' bytes; the search gives up instead
+    import kvrouter.router.body_prefixes as module
+
+    parsed_bytes = []
+
+    class Counting:
+        JSONDecodeError = orjson.JSONDecodeError
+        dumps = staticmethod(orjson.dumps)
+
+        @staticmethod
+        def loads(data: bytes) -> Any:
+            parsed_bytes.append(len(data))
+            return orjson.loads(data)
+
+    monkeypatch.setattr(module, "orjson", Counting)
+    store = BodyPrefixes(max_bytes=1 << 24)
+    meta = [{"a": [1], "stream": "z" * 10_000} for _ in range(40)]
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 5000}], "stream": True,
+                         "meta": meta})
+    same(store, body)
+    assert len(store) == 0 and sum(parsed_bytes) <= 2 * len(body)
