@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 from ..policies.rank_pick import RankView, pick_rank
 from ..sglang_protocol.signals import ReplicaSignals
-from .json_splice import with_member
+from .json_splice import SplicedBody, with_member
 from .kv_index_shadow import ShadowKVIndex
 
 
-def routed_body(body: bytes, rank: int) -> bytes:
+def routed_body(body: bytes | SplicedBody, rank: int) -> SplicedBody:
     """The request body with SGLang's ``routed_dp_rank`` set (the handler checked it is a JSON
     object): the member is added to the client's bytes, which are not re-serialized."""
     return with_member(body, b'"routed_dp_rank":%d' % rank)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .json_splice import with_member
+from .json_splice import SplicedBody, with_member
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A usage-only stream event, as SGLang (pydantic) and the simulated replica (orjson) write it:
@@ -61,11 +61,11 @@ def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
     return True
 
 
-def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> bytes | None:
+def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> SplicedBody | None:
     """The request bytes to send when the router asks for the stream's usage event (as
     `ask_stream_usage` on the parsed `body`, which is left unchanged), or None: send `raw` as it
-    is. The asking `stream_options` member is added after the client's own bytes, which are not
-    re-serialized: a 400 KB prompt costs one copy, not a dump."""
+    is. The asking `stream_options` member is added after the client's own bytes, which are
+    neither re-serialized nor copied."""
     if not _must_ask_stream_usage(route, body):
         return None
     return with_member(raw, b'"stream_options":' + orjson.dumps(_asked_options(body)))

@@ -171,8 +171,28 @@ def test_any_append_only_conversation_parses_as_a_whole_parse(before: dict, afte
     b'{"x":"\\u00e9\xc3\xa9"\t}\r\n',
 ])
 def test_a_spliced_member_equals_setting_it_on_the_parsed_object(raw: bytes) -> None:
-    assert orjson.loads(routed_body(raw, 3)) == {**orjson.loads(raw), "routed_dp_rank": 3}
-    assert orjson.loads(with_member(raw, b'"k":[1]')) == {**orjson.loads(raw), "k": [1]}
+    assert orjson.loads(bytes(routed_body(raw, 3))) == {**orjson.loads(raw), "routed_dp_rank": 3}
+    spliced = with_member(raw, b'"k":[1]')
+    assert orjson.loads(bytes(spliced)) == {**orjson.loads(raw), "k": [1]}
+    assert len(spliced) == len(bytes(spliced))
+    twice = routed_body(spliced, 1)  # a rank on top of the usage request: both, last value kept
+    assert orjson.loads(bytes(twice)) == {**orjson.loads(raw), "k": [1], "routed_dp_rank": 1}
+    assert bytes(twice).startswith(raw.rstrip()[:-1])  # the client's bytes, as they came
+
+
+async def test_a_large_spliced_body_reaches_the_replica_whole(start_app, start_router):
+    # above 64 KB the head and the body's pieces go out in one vectored write
+    fake = FakeUpstream("one")
+    url = await start_app(fake.app())
+    _, r_url = await start_router([url])
+    body = orjson.dumps({"model": "m", "stream": True,
+                         "messages": [{"role": "user", "content": "z" * 300_000}]}) + b"\n"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r_url + CHAT, data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+            await r.read()
+    assert [req["raw"] for req in fake.requests] == \
+        [body[:-2] + b',"stream_options":{"include_usage":true}}\n']
 
 
 async def test_the_router_forwards_the_clients_bytes_and_refuses_a_bad_turn(start_app, start_router):
