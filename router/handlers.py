@@ -13,20 +13,20 @@ from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
+from .body_prefixes import BodyPrefixes
 from .config import RouterConfig, normalize_replica_url
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .poller import SignalPoller
 from .relay import Relay
 from .replicas import ReplicaRegistry
-from .body_prefixes import BodyPrefixes
 from .prefix import session_key
 from .prefix_chain import PrefixChains
 from .summary import BYTES_PER_TOKEN, ExactBlocks, summarize
 from .usage import body_asking_stream_usage
+from .tokenizers import TokenizePool
 
 CHAT_ROUTE = "/v1/chat/completions"
-from .tokenizers import TokenizePool
 
 
 class Handlers:

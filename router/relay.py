@@ -32,8 +32,8 @@ from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
-from .tracing import RequestTrace, Tracing
 from .json_splice import SplicedBody, body_bytes
+from .tracing import RequestTrace, Tracing
 from .ranks import routed_body
 
 if TYPE_CHECKING:
