@@ -24,7 +24,6 @@ a one-off prompt is never parsed twice.
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -41,10 +40,7 @@ _OPEN_EMPTY = b'{"messages":['
 _TAIL_BYTES = 64
 # Places tried, from the right, when locating the end of "messages" in a whole body.
 _MAX_CANDIDATES = 16
-# A JSON string (escapes skipped), or a bracket: enough to find where an array closes.
-_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-_QUOTE, _CLOSER, _COMMA = ord('"'), ord("]"), ord(",")
-_OPENERS = (ord("["), ord("{"))
+_CLOSER, _COMMA = ord("]"), ord(",")
 _JSON_SPACE = b" \t\r\n"
 _PER_CHECKPOINT = 4
 # Per kept message: its list slot, roughly (the messages themselves are shared with the chains).
@@ -92,17 +88,28 @@ def _value_end(body: bytes, closer: int) -> int:
     return _before_space(body, closer)
 
 
-def _closers_before(body: bytes, key: bytes) -> Iterator[int]:
-    """From the right, a few offsets of a `]` followed by `,` and the member name `key`."""
+def _candidates(body: bytes, later: list[str], start: int) -> Iterable[int]:
+    """Where "messages" may close in `body` after `start`, `later` naming the members after it:
+    a `]` followed by the object's end, or (from the right, a few) by `,` and the next member's
+    name as a client most likely writes it."""
+    if not later:
+        closer = _before_space(body, _before_space(body, len(body)) - 1) - 1  # before the "}"
+        return (closer,) if closer > start and body[closer] == _CLOSER else ()
+    return _closers_before(body, orjson.dumps(later[0]), start)
+
+
+def _closers_before(body: bytes, key: bytes, start: int) -> Iterator[int]:
+    """From the right, a few offsets after `start` of a `]` followed by `,` and the member name
+    `key`."""
     pos = len(body)
     for _ in range(_MAX_CANDIDATES):
-        pos = body.rfind(key, 0, pos)
+        pos = body.rfind(key, start, pos)
         if pos < 0:
             return
         comma = _before_space(body, pos) - 1
-        if comma > 0 and body[comma] == _COMMA:
+        if comma > start and body[comma] == _COMMA:
             closer = _before_space(body, comma) - 1
-            if closer > 0 and body[closer] == _CLOSER:
+            if closer > start and body[closer] == _CLOSER:
                 yield closer
 
 
@@ -194,7 +201,7 @@ class BodyPrefixes:
         parsed.update(rest)
         parsed["messages"] = messages
         if len(new) > 1:
-            end = self._end_of_new_messages(body, found.length, len(new) - 1)
+            end = self._end_of_new_messages(body, found.length, rest)
             if end is not None:
                 prefix_parsed = dict(found.parsed)
                 prefix_parsed["messages"] = messages[:]  # its own list: the caller gets `messages`
@@ -204,34 +211,26 @@ class BodyPrefixes:
         self._touch(found, session)
         return parsed
 
-    def _end_of_new_messages(self, body: bytes, start: int, count: int) -> int | None:
-        """The offset of the `]` that closes "messages" in `body` (valid JSON), which after
-        `start` (a proven prefix's end) holds `count` more messages: found by skipping strings and
-        counting brackets, and proven by parsing what precedes it with the nonce appended."""
-        depth = 0
-        for token in _TOKENS.finditer(body, start):
-            char = body[token.start()]
-            if char == _QUOTE:
+    def _end_of_new_messages(self, body: bytes, start: int, rest: dict[str, Any]) -> int | None:
+        """Where "messages" ends in `body` (valid JSON) after `start` (a proven prefix's end),
+        `rest` being the parse of what follows `start`: a candidate `]` (as `_candidates` finds
+        them, after `start`), proven by parsing the bytes from `start` to it with the nonce at
+        both ends and the new messages in between."""
+        count = len(rest["messages"]) + 1  # the nonce, the new messages, the nonce again
+        budget = len(body) - start  # at most the new bytes once more
+        view = memoryview(body)
+        for pos in _candidates(body, list(rest)[1:], start):
+            budget -= pos - start
+            if budget < 0:
+                return None
+            try:
+                before = orjson.loads(b"".join((_OPEN, view[start:pos], _CLOSE)))
+            except orjson.JSONDecodeError:
                 continue
-            if char in _OPENERS:
-                depth += 1
-            elif depth:
-                depth -= 1
-            else:
-                end = token.start()
-                break
-        else:
-            return None
-        if body[end] != _CLOSER:
-            return None
-        try:
-            before = orjson.loads(b"".join((_OPEN, memoryview(body)[start:end], _CLOSE)))
-        except orjson.JSONDecodeError:
-            return None
-        messages = before.get("messages")
-        if type(messages) is list and len(messages) == count + 2 \
-                and _is_nonce(messages[0]) and _is_nonce(messages[-1]):
-            return _value_end(body, end)
+            messages = before.get("messages")
+            if type(messages) is list and len(messages) == count \
+                    and _is_nonce(messages[0]) and _is_nonce(messages[-1]):
+                return _value_end(body, pos)
         return None
 
     def _messages_end(self, body: bytes, parsed: dict[str, Any]) -> int | None:
@@ -242,13 +241,8 @@ class BodyPrefixes:
         keys = list(parsed)
         later = keys[keys.index("messages") + 1:]  # members first named after "messages"
         view = memoryview(body)
-        if not later:
-            closer = _before_space(body, _before_space(body, len(body)) - 1) - 1  # before the "}"
-            candidates: Iterable[int] = (closer,) if closer > 0 and body[closer] == _CLOSER else ()
-        else:
-            candidates = _closers_before(body, orjson.dumps(later[0]))
         budget = len(body)  # bytes parsed after candidates: at most one more whole parse
-        for pos in candidates:
+        for pos in _candidates(body, later, 0):
             budget -= len(body) - pos
             if budget < 0:
                 return None
