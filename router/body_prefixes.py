@@ -14,12 +14,12 @@ is the array the prefix opened and not a later duplicate key, and, appended to a
 the array open at its end is "messages". Key order and duplicate keys come out as a full parse
 gives them (first position, last value), since the members merge like a dict's updates.
 
-Where a body's prefix ends (before the `]` closing "messages"): in a body that extends a stored
-prefix, found by skipping strings and counting brackets in its new bytes, and proven by parsing
-them with the nonce appended. In a body parsed whole, only a candidate is found (a `]` followed
-by the next member's name, what follows it parsing as the same members, from the right, at most
-one more body's bytes parsed), proven by parsing the prefix once when a later body extends it:
-a one-off prompt is never parsed twice.
+Where a body's prefix ends (before the `]` closing "messages") is found from the right: a `]`
+followed by the next member's name (or by the object's end). In a body that extends a stored
+prefix, it is proven at once by parsing the new bytes up to it with the nonce at both ends. In a
+body parsed whole, it is only a candidate (what follows it must parse as the same members; at
+most one more body's bytes are tried), proven by parsing the prefix once when a later body
+extends it: a one-off prompt is never parsed twice.
 """
 
 from __future__ import annotations
