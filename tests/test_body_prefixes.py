@@ -119,6 +119,13 @@ def test_a_prefix_that_ends_in_another_array_is_never_used() -> None:
             same(store, body)
 
 
+def test_no_memory_means_every_body_is_parsed_whole() -> None:
+    store = BodyPrefixes(max_bytes=0)  # routing.prefix_chain_cache_mb: 0
+    for body in turns(4, ENCODINGS["compact, messages between"]):
+        same(store, body)
+    assert (store.hits, len(store)) == (0, 0)
+
+
 def test_the_callers_dict_and_messages_are_its_own() -> None:
     store = BodyPrefixes(max_bytes=1 << 24)
     bodies = turns(4, ENCODINGS["compact, messages between"])
