@@ -3,7 +3,7 @@
 Starts one upstream (benchmarks/upstream.py, aiohttp: SSE answers and a /metrics page with the
 KV capacity, nothing else) and two
 `kvrouter serve` processes in front of it: one as configured by default, one with
-`routing.prefix_chain_cache_mb: 0` (every prompt hashed whole, as before suffix hashing). One
+`routing.prefix_chain_cache_mb: 0` (every prompt parsed and hashed whole, as before). One
 client sends, one request at a time on a keep-alive connection, batches of
 
   small     a 1 KB chat request (a new conversation each time);

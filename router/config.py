@@ -121,8 +121,9 @@ class RoutingConfig(_Strict):
     )
     block_chars: int = Field(256, ge=16, description="Prefix block size in characters (~64 tokens).")
     prefix_chain_cache_mb: float = Field(
-        64.0, ge=0, description="Memory for recent prompts' block-hash chains, so a turn that "
-        "extends an earlier prompt hashes only its new bytes (0: hash every prompt whole).",
+        64.0, ge=0, description="Memory for recent prompts' block-hash chains, and as much again "
+        "for recent chat bodies' parsed prefixes, so a turn that extends an earlier prompt parses "
+        "and hashes only its new bytes (0: parse and hash every prompt whole).",
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="Idle sessions are forgotten after this.")
     dp_size: int = Field(

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import orjson
-
 from ..policies.rank_pick import RankView, pick_rank
 from ..sglang_protocol.signals import ReplicaSignals
+from .json_splice import SplicedBody, with_member
 from .kv_index_shadow import ShadowKVIndex
 
 
-def routed_body(body: bytes, rank: int) -> bytes:
+def routed_body(body: bytes | SplicedBody, rank: int) -> SplicedBody:
     """The request body with SGLang's ``routed_dp_rank`` set (the handler checked it is a JSON
-    object)."""
-    return orjson.dumps({**orjson.loads(body), "routed_dp_rank": rank})
+    object): the member is added to the client's bytes, which are not re-serialized."""
+    return with_member(body, b'"routed_dp_rank":%d' % rank)
 
 
 def room_for_rank(random_room: int, rank: int, dp_size: int) -> int:

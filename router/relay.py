@@ -32,6 +32,7 @@ from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
+from .json_splice import SplicedBody, body_bytes
 from .tracing import RequestTrace, Tracing
 from .ranks import routed_body
 
@@ -161,7 +162,7 @@ class Relay:
     async def forward(
         self,
         request: web.Request,
-        body: bytes,
+        body: bytes | SplicedBody,
         summary: RequestSummary,
         request_id: str,
         target: str | None = None,
@@ -234,7 +235,7 @@ class Relay:
     async def _attempts(
         self,
         request: web.Request,
-        body: bytes,
+        body: bytes | SplicedBody,
         route: RequestRoute,
         placement: Placement | None,
         request_id: str,
@@ -252,8 +253,8 @@ class Relay:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
         if self.pd is not None:
-            return await self.pd.attempts(request, body, route, placement, request_id, usage, headers,
-                                          trace, decide_ns)
+            return await self.pd.attempts(request, body_bytes(body), route, placement, request_id,
+                                          usage, headers, trace, decide_ns)
         last_problem = "no healthy replica"
         path_qs = request.rel_url.raw_path_qs  # as the client encoded it: never decoded on the way
         max_attempts = self.config.max_attempts

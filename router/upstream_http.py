@@ -24,11 +24,16 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from .json_splice import SplicedBody
+
 # A pooled connection idle this long is not reused: below uvicorn's default keep-alive timeout
 # (5 s, which SGLang keeps), so the router does not race a replica closing an idle connection.
 IDLE_KEEPALIVE_S = 4.0
 # Unread response bytes above this pause reading from the replica (TCP back-pressure).
 _READ_HIGH_WATER = 1 << 20
+# A request body this large goes out behind its head in one vectored write instead of being
+# copied behind it; below it the copy is cheaper than the vectored write's bookkeeping.
+_VECTORED_BODY_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -165,7 +170,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     # -- one exchange -------------------------------------------------------------------------
-    async def exchange(self, data: bytes, deadline: float) -> UpstreamResponse:
+    async def exchange(self, data: bytes | tuple[bytes | memoryview, ...],
+                       deadline: float) -> UpstreamResponse:
         """Send `data`; return once the response headers arrive. `deadline` (loop time) ends the
         whole exchange; the pool's header and idle timeouts count from now."""
         assert self.transport is not None and self._response is None
@@ -181,7 +187,10 @@ class _Connection(asyncio.Protocol):
         # from a later byte), so the timer is never re-armed when the headers come quickly.
         self._timer = self.loop.call_at(min(self._head_at, now + self.pool.idle_timeout_s),
                                         self._check_deadlines)
-        self.transport.write(data)
+        if isinstance(data, tuple):
+            self.transport.writelines(data)
+        else:
+            self.transport.write(data)
         try:
             return await head
         except BaseException:
@@ -342,12 +351,17 @@ class _Connection(asyncio.Protocol):
             self._response._finish()
 
 
-def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str],
+               body: bytes | SplicedBody) -> bytes | tuple[bytes | memoryview, ...]:
+    """The request's bytes: one string, or for a large body the head and the body's pieces,
+    written together by one vectored write (no copy of the body behind its head)."""
     fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
     head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}Content-Length: {len(body)}\r\n\r\n"
     if head.count("\n") != len(headers) + 4 or head.count("\r") != len(headers) + 4:
         raise ValueError("line break in a request header")  # would smuggle a header or a request
-    return head.encode("utf-8", "surrogateescape") + body
+    encoded = head.encode("utf-8", "surrogateescape")
+    pieces = (body,) if isinstance(body, bytes) else body.pieces
+    return (encoded, *pieces) if len(body) >= _VECTORED_BODY_BYTES else b"".join((encoded, *pieces))
 
 
 class UpstreamPool:
@@ -391,7 +405,7 @@ class UpstreamPool:
         return f"exchange not finished within upstream.total_timeout_s ({self.total_timeout_s:g} s)"
 
     async def request(self, method: str, base_url: str, path_qs: str,
-                      headers: CIMultiDict[str], body: bytes) -> UpstreamResponse:
+                      headers: CIMultiDict[str], body: bytes | SplicedBody) -> UpstreamResponse:
         """Send one request to the replica at `base_url`; return once its headers have arrived.
         Raises UpstreamConnectError (UpstreamConnectTimeout among them: nothing was sent), or
         UpstreamTimeout (header or total timeout: the replica has the request)."""

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .json_splice import SplicedBody, with_member
+
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A usage-only stream event, as SGLang (pydantic) and the simulated replica (orjson) write it:
 # compact JSON. Inside a JSON string the quotes would be escaped, so content never matches.
@@ -36,40 +38,37 @@ class UsageReport:
     completion_tokens: int | None = None  # None: not reported (or not a count)
 
 
-def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
-    """Make a streaming OpenAI request whose client did not ask for the usage event ask for it
-    (in place); True if it did, so the relay drops that event again. A `stream_options` that
-    is not an object is left for the replica to refuse."""
+def _must_ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
+    """A streaming OpenAI request whose client did not ask for the usage event. A
+    `stream_options` that is not an object is left for the replica to refuse."""
     if route not in OPENAI_ROUTES or body.get("stream") is not True:
         return False
     options = body.get("stream_options")
-    if options is None:
-        body["stream_options"] = {"include_usage": True}
-        return True
-    if not isinstance(options, dict) or options.get("include_usage"):
+    return options is None or (isinstance(options, dict) and not options.get("include_usage"))
+
+
+def _asked_options(body: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("stream_options")
+    return {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+
+
+def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
+    """Make a streaming OpenAI request whose client did not ask for the usage event ask for it
+    (in place); True if it did, so the relay drops that event again."""
+    if not _must_ask_stream_usage(route, body):
         return False
-    options["include_usage"] = True
+    body["stream_options"] = _asked_options(body)
     return True
 
 
-_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
-_JSON_SPACE = b" \t\r\n"
-
-
-def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> bytes | None:
-    """`ask_stream_usage` on the parsed `body`, and the request bytes to send when it asked
-    (None: send `raw` as it is). Without a `stream_options` the member is put in front of the
-    client's own bytes, which are not re-serialized: a 400 KB prompt costs one copy, not a dump."""
-    absent = "stream_options" not in body
-    if not ask_stream_usage(route, body):
+def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> SplicedBody | None:
+    """The request bytes to send when the router asks for the stream's usage event (as
+    `ask_stream_usage` on the parsed `body`, which is left unchanged), or None: send `raw` as it
+    is. The asking `stream_options` member is added after the client's own bytes, which are
+    neither re-serialized nor copied."""
+    if not _must_ask_stream_usage(route, body):
         return None
-    if absent:  # no such member on the wire either (a duplicate would have been parsed)
-        start = 0
-        while start < len(raw) and raw[start] in _JSON_SPACE:
-            start += 1
-        if raw[start:start + 1] == b"{" and len(body) > 1:  # a member follows: the comma is right
-            return b"".join((_ASK_USAGE, memoryview(raw)[start + 1:]))
-    return orjson.dumps(body)  # parsed, hence nested at most as deep as orjson writes
+    return with_member(raw, b'"stream_options":' + orjson.dumps(_asked_options(body)))
 
 
 def _count(value: Any) -> int | str:

@@ -81,6 +81,29 @@ async def test_bad_requests_get_openai_shaped_4xx(start_app, start_router):
     assert up.requests == []  # nothing bad was forwarded
 
 
+async def test_a_body_is_read_whole_with_and_without_a_declared_length(start_app, start_router):
+    up = FakeUpstream()
+    _, router_url = await start_router(
+        [await start_app(up.app())], server={"host": "127.0.0.1", "port": 0, "max_body_bytes": 3000}
+    )
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"y" * 2000 + b'"}]}'
+
+    async def chunked(data: bytes):  # no Content-Length: sent in pieces
+        for start in range(0, len(data), 700):
+            yield data[start:start + 700]
+
+    async with aiohttp.ClientSession() as client:
+        for data in (body, chunked(body)):
+            async with client.post(router_url + "/v1/chat/completions", data=data) as resp:
+                assert resp.status == 200
+                await resp.read()
+        big = body.replace(b"y" * 2000, b"y" * 4000)
+        async with client.post(router_url + "/v1/chat/completions", data=chunked(big)) as resp:
+            assert resp.status == 413
+            assert (await _error(resp))["code"] == 413
+    assert [r["raw"] for r in up.requests] == [body, body]
+
+
 async def test_models_merged_from_replicas(start_app, start_router):
     a, b = FakeUpstream(model="model-a"), FakeUpstream(model="model-b")
     _, router_url = await start_router([await start_app(a.app()), await start_app(b.app())])

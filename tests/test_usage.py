@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 import orjson
+import pytest
 from aiohttp import web
 
 from kvrouter.loadtest import sim_responses as out
@@ -268,15 +269,40 @@ async def test_a_fault_in_learning_never_fails_the_response(start_app, start_rou
     assert status == 200 and got == b"".join(e for e in sent if b'"choices":[]' not in e)
 
 
-def test_usage_request_is_put_in_front_of_the_clients_own_bytes() -> None:
-    raw = b' \n{"model":"m","stream":true,"messages":[{"role":"user","content":"\\u00e9 x"}],"n":1.50}'
+def test_usage_request_is_added_to_the_clients_own_bytes() -> None:
+    raw = b' \n{"model":"m","stream":true,"messages":[{"role":"user","content":"\\u00e9 x"}],"n":1.50}\n'
     body = orjson.loads(raw)
-    asked = body_asking_stream_usage(CHAT, body, raw)
-    assert asked is not None and asked.endswith(raw[3:])  # the client's bytes, not re-serialized
+    spliced = body_asking_stream_usage(CHAT, body, raw)
+    assert spliced is not None
+    asked = bytes(spliced)
+    assert asked.startswith(raw[:-2])  # the client's bytes, not re-serialized
     assert orjson.loads(asked) == {**orjson.loads(raw), "stream_options": {"include_usage": True}}
+    assert body == orjson.loads(raw)  # the parsed body is left as it was (it may be shared)
     options = b'{"stream":true,"stream_options":{"continuous_usage_stats":false}}'
     asked = body_asking_stream_usage(CHAT, orjson.loads(options), options)
-    assert asked is not None and orjson.loads(asked)["stream_options"] == \
+    assert asked is not None and orjson.loads(bytes(asked))["stream_options"] == \
         {"continuous_usage_stats": False, "include_usage": True}
     for done in (b'{"stream":true,"stream_options":{"include_usage":true}}', b'{"stream":false}'):
         assert body_asking_stream_usage(CHAT, orjson.loads(done), done) is None
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"stream":true,"messages":[]}',
+    b' {\n "stream" : true ,\n "stream_options" : null\n}\r\n',
+    b'{"stream_options":{"include_usage":false,"x":[1,{"y":"}"}]},"stream":true,"m":"\\"}"}',
+    b'{"stream_options":{},"stream":true,"stream_options":{"include_usage":false}}',
+    b'{"z":"\\u00e9\xc3\xa9\xf0\x9f\x98\x80","stream":true,"a":{"b":[{}]},"stream_options":{"include_usage":0}}',
+])
+def test_asking_for_usage_by_splicing_equals_setting_it_on_the_parsed_body(raw: bytes) -> None:
+    body = orjson.loads(raw)
+    asked = body_asking_stream_usage(CHAT, body, raw)
+    expected = orjson.loads(raw)
+    assert ask_stream_usage(CHAT, expected)
+    assert asked is not None and orjson.loads(bytes(asked)) == expected
+    assert orjson.loads(orjson.dumps(orjson.loads(bytes(asked)))) == orjson.loads(orjson.dumps(expected))
+
+
+@pytest.mark.parametrize("raw", [b'{"stream":true,"stream_options":false}',
+                                 b'{"stream":true,"stream_options":{"include_usage":true}}'])
+def test_usage_is_not_asked_where_the_client_asked_or_must_be_refused(raw: bytes) -> None:
+    assert body_asking_stream_usage(CHAT, orjson.loads(raw), raw) is None
