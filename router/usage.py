@@ -68,6 +68,8 @@ def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> Sp
     neither re-serialized nor copied."""
     if not _must_ask_stream_usage(route, body):
         return None
+    if "stream_options" in body:  # rare: re-serialize, so no strict parser sees the key twice
+        return SplicedBody((orjson.dumps({**body, "stream_options": _asked_options(body)}),))
     return with_member(raw, b'"stream_options":' + orjson.dumps(_asked_options(body)))
 
 

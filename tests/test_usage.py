@@ -306,3 +306,12 @@ def test_asking_for_usage_by_splicing_equals_setting_it_on_the_parsed_body(raw: 
                                  b'{"stream":true,"stream_options":{"include_usage":true}}'])
 def test_usage_is_not_asked_where_the_client_asked_or_must_be_refused(raw: bytes) -> None:
     assert body_asking_stream_usage(CHAT, orjson.loads(raw), raw) is None
+
+
+@pytest.mark.parametrize("raw", [b'{"stream":true,"stream_options":null}',
+                                 b'{"stream":true,"stream_options":{"continuous_usage_stats":false}}'])
+def test_a_client_stream_options_is_replaced_not_named_twice(raw: bytes) -> None:
+    # A strict parser (serde, for one) refuses an object that names a key twice.
+    asked = bytes(body_asking_stream_usage(CHAT, orjson.loads(raw), raw) or b"")
+    assert asked.count(b'"stream_options"') == 1
+    assert orjson.loads(asked)["stream_options"]["include_usage"] is True
