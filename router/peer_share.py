@@ -172,7 +172,8 @@ class PeerShare:
                 self.in_flight_changed()
             self.expire_peers()
 
-    async def _publish(self, records: list[Any], homes: list[Any], in_flight: list[Any] | None = None) -> None:
+    async def _publish(self, records: list[Any], homes: list[Any],
+                       in_flight: list[Any] | None = None) -> None:
         n = len(records) // 2 + len(homes) // 3
         assert self._publisher is not None
         try:

@@ -100,7 +100,8 @@ async def test_a_router_places_by_the_other_routers_requests_in_flight(start_app
                 for i in range(8)]
     settings = dict(signals={"source": "health", "interval_s": 60}, server={"replica_header": True},
                     policy={"name": "least_load"},
-                    affinity={"store": "redis", "redis_url": redis_server.url, "key_prefix": "inflight-live:"})
+                    affinity={"store": "redis", "redis_url": redis_server.url,
+                              "key_prefix": "inflight-live:"})
     (a, url_a), (b, url_b) = [await start_router(replicas, **settings) for _ in range(2)]
     for router in (a, b):
         assert router.peer_share is not None
