@@ -15,6 +15,9 @@ the number of router processes and the index sharing differ:
   connections over both, so a session's turns land on either);
 - `workers-2-unshared`: the same with `affinity.share_routing_state: false`, each worker's index
   and session table learning only from its own requests (the behaviour before they were shared);
+- `workers-2-own-in-flight`: `--workers 2` sharing the index and session table but not the
+  requests in flight (`affinity.share_in_flight: false`): each worker's load view counts its own
+  dispatches and the replicas' polled counts only;
 - `two-routers`: two `kvrouter serve` processes on two ports sharing the Redis, the driver
   sending requests round robin over them (a load balancer in front of two pods).
 """
@@ -43,7 +46,7 @@ from kvrouter.loadtest.driver import run_load  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, RunningProcess, free_port, wait_ready  # noqa: E402
 from kvrouter.loadtest.workload_config import load_workload  # noqa: E402
 
-SETUPS = ("one-process", "workers-2", "workers-2-unshared", "two-routers")
+SETUPS = ("one-process", "workers-2", "workers-2-unshared", "workers-2-own-in-flight", "two-routers")
 KEPT = ("cache_hit_rate", "requests_ok", "requests_failed", "ttft_p50_s", "ttft_p95_s",
         "load_max_over_mean")
 
@@ -62,6 +65,20 @@ async def _until_workers_serve(http: aiohttp.ClientSession, base: str, workers: 
             if resp.status == 200 and "x-kvrouter-worker" in resp.headers:
                 seen.add(resp.headers["x-kvrouter-worker"])
         await asyncio.sleep(0.05)
+
+
+async def _print_peer_share(http: aiohttp.ClientSession, bases: list[str]) -> None:
+    """Each router's peer-share counters (fresh connections reach every worker), to stderr."""
+    seen: set[str] = set()
+    for base in bases:
+        for _ in range(12):
+            async with http.get(base + "/metrics", headers={"connection": "close"}) as resp:
+                text = await resp.text()
+            lines = " ".join(sorted(line.split("{", 1)[1] for line in text.splitlines()
+                                    if line.startswith("kvrouter_peer_share_total{")))
+            if lines not in seen:
+                seen.add(lines)
+                print(f"[workers-cache] {base} peer share: {lines}", file=sys.stderr, flush=True)
 
 
 class Bench:
@@ -83,20 +100,26 @@ class Bench:
         await asyncio.gather(*(wait_ready(http, p, u, "/health", 60, lambda s: s == 200)
                                for p, u in zip(procs, self.urls)))
 
-    def _config(self, port: int, share: bool) -> Path:
+    def _config(self, port: int, share: bool, label: str, in_flight: bool = True) -> Path:
         self.runs += 1
         path = self.tmp / f"router-{self.runs}-{port}.yaml"
-        path.write_text(yaml.safe_dump({
+        extra: dict[str, Any] = {}
+        if self.args.decision_log is not None:  # one file per run (and per worker)
+            log = self.args.decision_log.resolve() / f"{self.runs:02d}-{label}.jsonl"
+            extra["observability"] = {"decision_log": str(log)}
+        path.write_text(yaml.safe_dump({**extra,
             "server": {"host": "127.0.0.1", "port": port, "replica_header": True},
             "replicas": self.urls,
             "policy": {"name": "coding-agent", "params": {}},
             # A key prefix per run: no session home or shared record outlives its run.
             "affinity": {"store": "redis", "redis_url": self.redis_url,
-                         "key_prefix": f"bench{self.runs}:", "share_routing_state": share},
+                         "key_prefix": f"bench{self.runs}:", "share_routing_state": share,
+                         "share_in_flight": in_flight},
         }))
         return path
 
-    async def start_routers(self, http: aiohttp.ClientSession, setup: str) -> tuple[list[RunningProcess], list[str]]:
+    async def start_routers(self, http: aiohttp.ClientSession, setup: str,
+                            label: str) -> tuple[list[RunningProcess], list[str]]:
         serve = [sys.executable, "-m", "kvrouter.cli", "serve", "--config"]
         procs: list[RunningProcess] = []
         bases: list[str] = []
@@ -104,12 +127,13 @@ class Bench:
             conf = None
             for i in range(2):
                 port = free_port()
-                conf = conf or self._config(port, share=True)  # one key prefix for both
+                conf = conf or self._config(port, share=True, label=label)  # one key prefix for both
                 procs.append(self.group.start(f"router{i}", serve + [str(conf), "--port", str(port)]))
                 bases.append(f"http://127.0.0.1:{port}")
         else:
             port = free_port()
-            conf = self._config(port, share=setup != "workers-2-unshared")
+            conf = self._config(port, share=setup != "workers-2-unshared", label=label,
+                                in_flight=setup != "workers-2-own-in-flight")
             workers = 1 if setup == "one-process" else 2
             procs.append(self.group.start(setup, serve + [str(conf), "--workers", str(workers)]))
             bases.append(f"http://127.0.0.1:{port}")
@@ -121,7 +145,7 @@ class Bench:
 
     async def one(self, http: aiohttp.ClientSession, setup: str, keyed: bool) -> dict[str, Any]:
         a = self.args
-        procs, bases = await self.start_routers(http, setup)
+        procs, bases = await self.start_routers(http, setup, f"{setup}-{'keyed' if keyed else 'keyless'}")
         try:
             await asyncio.gather(*(_flush(http, u) for u in self.urls))
             label = f"{setup} {'session keys' if keyed else 'no session keys'}"
@@ -132,6 +156,8 @@ class Bench:
                 ramp_s=a.ramp, warm_start=True, warmup_s=a.warmup, session_header=keyed,
                 progress=lambda line: None,
             )
+            if a.decision_log is not None:
+                await _print_peer_share(http, bases)
         finally:
             self.group.stop(procs)
         result = report["results"][setup]
@@ -154,7 +180,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             bench = Bench(args, group, tmp, redis.url)
             await bench.start_replicas(http)
             for _ in range(args.rounds):
-                for keyed in (True, False):
+                for keyed in {"both": (True, False), "yes": (True,), "no": (False,)}[args.keyed]:
                     for setup in args.setups.split(","):
                         key = "session_keys" if keyed else "no_session_keys"
                         results[key].setdefault(setup, []).append(await bench.one(http, setup, keyed))
@@ -182,6 +208,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--rounds", type=int, default=1, help="runs of every setup")
+    p.add_argument("--keyed", choices=("both", "yes", "no"), default="both",
+                   help="runs with session keys, without, or both")
+    p.add_argument("--decision-log", type=Path,
+                   help="directory: every router writes its decision log there, a file per run")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     t0 = time.monotonic()
@@ -189,7 +219,7 @@ def main() -> None:
     out = {
         "command": portable_command(["python", *sys.argv]),
         "load_average_at_end": [round(v, 2) for v in os.getloadavg()],  # a shared, busy machine
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "decision_log")},
         "wall_s": round(time.monotonic() - t0, 1),
         # per setup: the mean over rounds, then each round's
         "cache_hit_rate": {keyed: {s: [_mean([r["cache_hit_rate"] for r in rounds])]

@@ -34,8 +34,11 @@ class ReplicaView:
     # Sessions whose home this is, and the sum of their last context sizes (their KV demand).
     homed_sessions: int = 0
     homed_tokens: int = 0
-    # Requests on the replica: the polled running+queued (all routers) or this router's own
-    # in-flight count, whichever is larger, so a stale poll never hides fresh dispatches.
+    # Requests the other routers on the fleet have in flight here, as they last published them
+    # (router/peer_share.py; 0 with one router).
+    peer_in_flight: int = 0
+    # Requests on the replica: the polled running+queued (all routers) or the routers' own
+    # in-flight counts, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).
     load: int = field(init=False, compare=False)
     # This view's terms of the cost model (policies/cost.py), filled in on first use and kept
@@ -46,7 +49,7 @@ class ReplicaView:
 
     def __post_init__(self) -> None:
         running = self.num_running_reqs
-        in_flight = self.in_flight
+        in_flight = self.in_flight + self.peer_in_flight
         if running is not None:
             running += self.num_queue_reqs or 0
             if running > in_flight:

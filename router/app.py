@@ -235,6 +235,7 @@ class Router:
             index=index, table=self.table, known=self.registry.__contains__, clock=self.clock,
             op_timeout_s=a.op_timeout_s, metrics=self.metrics,
             password=os.environ.get(a.password_env) if a.password_env else None,
+            registry=self.registry if a.share_in_flight else None,
         )
         if index is not None:
             self.engine.on_record = share.recorded

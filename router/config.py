@@ -275,6 +275,12 @@ class AffinityConfig(_Strict):
         "find their prefix whichever router they reach, and new sessions are placed against all "
         "the KV already homed.",
     )
+    share_in_flight: bool = Field(
+        True, description="With share_routing_state: every router also publishes its requests in "
+        "flight per replica and counts the others' in each replica's load, so requests placed by "
+        "load (new conversations, overflow) see every router's dispatches at once rather than "
+        "after the next poll of the replica.",
+    )
 
     @field_validator("key_prefix")
     @classmethod

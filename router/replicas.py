@@ -7,7 +7,7 @@ views, rebuilt only after a change, so taking one per request is cheap even at 1
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
@@ -60,6 +60,9 @@ class ReplicaRegistry:
         self._registrations: dict[str, int] = {}
         self._registered = 0
         self.draining: set[str] = set()  # no new work; removed once their in-flight ends
+        # Told each time this router's in-flight count on a replica changes (router/peer_share.py
+        # publishes the counts to the other routers); None: nobody to tell.
+        self.on_in_flight: Callable[[], None] | None = None
         for url in urls:
             self.add(url, fresh=False)
 
@@ -178,6 +181,8 @@ class ReplicaRegistry:
                 in_flight=view.in_flight + 1,
                 in_flight_prompt_tokens=view.in_flight_prompt_tokens + prompt_tokens,
             )
+            if self.on_in_flight is not None:
+                self.on_in_flight()
 
     def completed(self, url: str, prompt_tokens: int) -> None:
         view = self._views.get(url)
@@ -187,6 +192,15 @@ class ReplicaRegistry:
                 in_flight=max(0, view.in_flight - 1),
                 in_flight_prompt_tokens=max(0, view.in_flight_prompt_tokens - prompt_tokens),
             )
+            if self.on_in_flight is not None:
+                self.on_in_flight()
+
+    def set_peer_in_flight(self, url: str, requests: int) -> None:
+        """The other routers' requests in flight on `url` (router/peer_share.py): counted in the
+        view's load, not in its own `in_flight` (which drains and shutdown wait on)."""
+        view = self._views.get(url)
+        if view is not None and view.peer_in_flight != requests:
+            self._update(url, peer_in_flight=requests)
 
     # -- health -----------------------------------------------------------------------------
     def drain(self, url: str) -> bool:
