@@ -120,8 +120,9 @@ class NearTiePowerOfTwo:
 def _two_of(ties: list[ReplicaView], rng: random.Random) -> tuple[ReplicaView, ReplicaView]:
     """`rng.sample(ties, 2)`. For a plain `random.Random` its two draws are written out (the
     same numbers from the same stream, as `Random.sample` makes them for k=2), without its
-    argument checks and pool copy: this runs on most placements."""
-    if type(rng) is not random.Random:
+    argument checks and pool copy: this runs on most placements. Fewer than two ties (NaN
+    scores match no limit) raise as `sample` does: the written-out draws would never end."""
+    if type(rng) is not random.Random or len(ties) < 2:
         a, b = rng.sample(ties, 2)
         return a, b
     n = len(ties)

@@ -14,7 +14,7 @@ from kvrouter.metrics.plain_counter import PlainCounter
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_costs, prefill_s
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
-from kvrouter.policies.steps import _two_of
+from kvrouter.policies.steps import NearTiePowerOfTwo, _two_of
 
 
 def plain_cost(p: CostParams, replica: ReplicaView, request: RequestSummary, home: str | None,
@@ -103,6 +103,18 @@ def test_written_out_draws_are_the_random_module_draws(rng_type) -> None:
             for _ in range(4):
                 assert _two_of(population, ours) == tuple(theirs.sample(population, 2))
             assert ours.random() == theirs.random()  # the streams stay in step
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("rng_type", [random.Random, CountingRandom])
+def test_fewer_than_two_ties_raise_as_sample_does(rng_type) -> None:
+    # NaN scores (a NaN cost) leave no replica within the near-tie limit: `rng.sample` raises,
+    # and the written-out draws must too, never draw forever on the event loop.
+    views = [ReplicaView("a"), ReplicaView("b")]
+    with pytest.raises(ValueError):
+        _two_of([], rng_type(0))
+    with pytest.raises(ValueError):
+        NearTiePowerOfTwo(0.05, 0.0)(views, [float("nan"), 1.0], rng_type(0))
 
 
 @pytest.mark.parametrize("rng_type", [random.Random, CountingRandom])
