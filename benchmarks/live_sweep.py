@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ from portable import portable_command  # noqa: E402
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
 from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external  # noqa: E402
 from kvrouter.loadtest.driver import run_load  # noqa: E402
+from kvrouter.loadtest.report import RequestRecord  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, RunningProcess, free_port, wait_ready  # noqa: E402
 from kvrouter.loadtest.trace_claude_code import claude_code_arrivals  # noqa: E402
 from kvrouter.loadtest.trace_session import Arrivals  # noqa: E402
@@ -100,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=300.0, help="wall seconds one replay may take")
     p.add_argument("--out-dir", default="live-sweep")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--records-dir", help="also keep every request (JSON lines per point and contender) "
+                   "and, for kvrouter contenders, the router's decision log, in this folder")
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not set(args.kinds) <= {"sim", "mini"}:
@@ -160,21 +164,48 @@ async def start_replicas(point: Point, capacity: int, args: argparse.Namespace, 
     return procs, urls
 
 
+def records_stem(point: Point, contender: str) -> str:
+    """File name stem of one point's and contender's kept records (`--records-dir`)."""
+    return f"{point.kind}-cap{point.capacity_sessions:g}-cpt{point.chars_per_token:g}-{contender}"
+
+
+def write_records(path: Path, records: list[RequestRecord], replica_names: dict[str, str]) -> None:
+    """One JSON line per request, in start order; replicas named replica0..N-1 (the URLs change
+    every run)."""
+    with path.open("wb") as f:
+        for r in sorted(records, key=lambda r: r.start_s):
+            row = dataclasses.asdict(r)
+            if r.replica is not None:
+                row["replica"] = replica_names.get(r.replica.rstrip("/"), r.replica)
+            f.write(orjson.dumps(row) + b"\n")
+
+
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
-                        group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str) -> dict[str, Any]:
+                        group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str,
+                        point: Point) -> dict[str, Any]:
     await asyncio.gather(*(_flush(http, u) for u in urls))
     cfg = CompareConfig(replicas=len(urls), ready_timeout_s=60.0)
-    proc, base = await _start_contender(c, urls, cfg, group, http, tmp)
+    keep = Path(args.records_dir) if args.records_dir else None
+    observability = None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        observability = {"decision_log": str(keep / f"{records_stem(point, c.name)}.decisions.jsonl")}
+    proc, base = await _start_contender(c, urls, cfg, group, http, tmp, observability)
+    records: list[RequestRecord] = []
     try:
         t0 = time.monotonic()
         report = await run_load(
             base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
             replica_metrics_urls=urls, progress=lambda line: None, contender=c.name,
             drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
+            records_out=records,
         )
         wall = time.monotonic() - t0
     finally:
         group.stop([proc])
+    if keep is not None:
+        names = {u.rstrip("/"): f"replica{i}" for i, u in enumerate(urls)}
+        write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
           f"failed {result['requests_failed']}, {wall:.0f} s", file=sys.stderr, flush=True)
@@ -194,7 +225,7 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
             try:
                 results = {}
                 for c in contenders:
-                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label)
+                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label, point)
             finally:
                 group.stop(procs)
             out.append({"kind": point.kind, "capacity_sessions": point.capacity_sessions,

@@ -92,12 +92,15 @@ def _say_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _router_config_file(path: Path, policy: str, port: int, urls: Sequence[str]) -> None:
-    data = {
+def _router_config_file(path: Path, policy: str, port: int, urls: Sequence[str],
+                        observability: dict[str, Any] | None = None) -> None:
+    data: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port, "replica_header": True},
         "replicas": list(urls),
         "policy": {"name": policy, "params": {}},
     }
+    if observability:
+        data["observability"] = observability
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
@@ -132,12 +135,14 @@ async def _start_contender(
     group: ProcessGroup,
     http: aiohttp.ClientSession,
     tmp: Path,
+    observability: dict[str, Any] | None = None,
 ) -> tuple[RunningProcess, str]:
+    """Start one contender; `observability` (router config section) applies to kvrouter ones."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     if c.template is None:
         conf = tmp / f"router-{c.name}.yaml"
-        _router_config_file(conf, c.policy or c.name, port, urls)
+        _router_config_file(conf, c.policy or c.name, port, urls, observability)
         argv = [sys.executable, "-m", "kvrouter.cli", "serve", "--config", str(conf),
                 "--policy", c.policy or c.name]
         proc = group.start(c.name, argv)

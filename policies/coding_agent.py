@@ -16,12 +16,17 @@ The rules, in order (each decision's `reason` names the rule that made it):
               home (queueing behind the session's own requests); the home is kept either way.
 3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
    retry      A retry after the home failed this very request is placed by cost; home kept.
-4. new_session / fresh_replica
+4. new_session / fresh_replica / empty_replica
               New sessions are placed by expected cost (policies/cost.py: queueing + prefill of
               the tokens that replica has not cached + host load-back + KV capacity penalty).
               While a fresh replica (one seen for the first time) is under its high-water marks
               and below `fresh_until_mean_ratio` x the fleet's mean load, new sessions go to
-              fresh replicas only.
+              fresh replicas only. empty_replica: where the cheapest replica is already home
+              to `empty_replica_min_homed` sessions, a replica no session calls home takes the
+              new (keyed) session if it costs at most `empty_replica_max_extra_s` more: what
+              the cheapest saves is mostly a prefix every session shares (the system prompt),
+              saved once, while the sessions stacked there would queue behind each other's
+              prefills on every later turn and evict each other.
 5. fallback   Every candidate is over its high-water marks: the cheapest one still takes it.
 
 Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
@@ -54,6 +59,8 @@ class CodingAgentParams(BaseModel):
     prefix_home_min_fraction: float = Field(0.5, ge=0, le=1.0, description="Keyless requests: cached share that makes a replica home.")
     home_lost_fraction: float = Field(0.5, ge=0, le=1.0, description="A home caching less than this share of the prompt has lost the session's KV: the session is placed again by cost (0 turns it off).")
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
+    empty_replica_max_extra_s: float = Field(1.0, ge=0, description="A replica no session calls home takes a new session if it costs at most this many seconds more than the cheapest, when that one is already home to empty_replica_min_homed sessions (0 turns it off).")
+    empty_replica_min_homed: int = Field(2, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
@@ -157,10 +164,36 @@ class CodingAgent:
             pool = self.candidates(snapshot, request, rng)
         if not pool:
             return None
+        if reason == "new_session" and keyed:
+            empty = self._empty_replica(pool, request, rng)
+            if empty is not None:
+                return Decision(empty.id, "empty_replica", home=empty.id)
         # A retry after the home just failed this request keeps the home; others (re)assign it.
         sets_home = keyed and reason != "retry"
         choice, reason = self._choose(pool, request, rng, reason, self.placement_cost)
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
+
+    def _empty_replica(
+        self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random
+    ) -> ReplicaView | None:
+        """The cheapest usable replica that is no session's home, if the cheapest candidate is
+        already home to `empty_replica_min_homed` sessions and the empty one costs at most
+        `empty_replica_max_extra_s` more (None: ordinary placement). Mostly a fleet's first
+        sessions: the replica holding the shared system prompt would otherwise collect them
+        all (live, at 1.5 characters per token, the first four of four)."""
+        p = self.params
+        usable = self.high_water(pool)
+        empty = [r for r in usable if r.homed_sessions == 0]
+        if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
+            return None
+        costs = self.placement_cost(usable, request)
+        cheapest = min(range(len(costs)), key=costs.__getitem__)
+        if usable[cheapest].homed_sessions < p.empty_replica_min_homed:
+            return None
+        empty_costs = [c for c, r in zip(costs, usable) if r.homed_sessions == 0]
+        if min(empty_costs) > costs[cheapest] + p.empty_replica_max_extra_s:
+            return None
+        return self.pick(empty, empty_costs, rng)
 
     def _choose(
         self,

@@ -5,7 +5,9 @@ side: fed by `Placement.reported` after a response, read when a request is summa
   prompt token, per model (the request's prompt size) and per replica (the shadow index's block
   size in tokens, hence its capacity in blocks). Starts at 4; each report moves the estimate by
   `ewma_weight`, or by more while it has few reports (the starting 4 counts as one), clamped to
-  [1, 16], so it settles within tens of requests and one odd prompt cannot throw it.
+  [1, 16], so it settles within tens of requests and one odd prompt cannot throw it. A replica's
+  own estimate starts from its model's and is used once it has MIN_OWN_REPORTS reports; until
+  then the replica follows the model's, so prompt sizes and index matches share one unit.
 - Index correction: a replica that reports fewer cached tokens than the index predicted evicted
   them, so it keeps less than the index holds for it: without a reported `max_total_num_tokens`,
   its effective capacity is learned (what the index holds minus what the engine had dropped; held
@@ -30,6 +32,14 @@ DEFAULT_BYTES_PER_TOKEN = float(BYTES_PER_TOKEN)  # the summary's estimate until
 MIN_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN = 1.0, 16.0
 # Shorter prompts are mostly chat template: their ratio says little about the tokenizer.
 MIN_CALIBRATION_BYTES = 256
+# A replica's own ratio is trusted once it has this many reports. Until then its block size
+# follows its model's ratio, which every replica's reports feed: while the two converge at
+# different speeds the prompt size (model ratio) and what the index says a replica holds (the
+# replica's ratio) would be in different units, and a home still holding a session would look
+# as if it had lost it (coding_agent's `rehome_evicted`).
+MIN_OWN_REPORTS = 16
+# Replicas following their model's ratio get its new value when it moved by more than this.
+FOLLOW_STEP = 0.01
 
 
 class _Ewma:
@@ -71,6 +81,10 @@ class UsageLearner:
         self._per_model: dict[str, _Ewma] = {}
         self._per_replica: dict[str, _Ewma] = {}
         self._capacity: dict[str, _Ewma] = {}  # learned effective KV capacity, tokens
+        # Replicas with fewer than MIN_OWN_REPORTS reports -> their model (they use its ratio),
+        # and the model ratio last given to their index entries.
+        self._following: dict[str, str] = {}
+        self._followed_value: dict[str, float] = {}
 
     # -- read side -----------------------------------------------------------------------------
     def bytes_per_token(self, model: str | None) -> float:
@@ -78,6 +92,10 @@ class UsageLearner:
         return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
 
     def replica_bytes_per_token(self, replica: str) -> float:
+        """The replica's own estimate once it has MIN_OWN_REPORTS reports; before, its model's."""
+        model = self._following.get(replica)
+        if model is not None:
+            return self.bytes_per_token(model)
         est = self._per_replica.get(replica)
         return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
 
@@ -123,12 +141,33 @@ class UsageLearner:
     def _calibrate(self, replica: str, model: str | None, ratio: float) -> None:
         ratio = min(MAX_BYTES_PER_TOKEN, max(MIN_BYTES_PER_TOKEN, ratio))
         key = model or ""
-        value = _ratio_estimate(self._per_model, key).add(ratio, self.weight)
+        model_est = _ratio_estimate(self._per_model, key)
+        own = self._per_replica.get(replica)
+        if own is None:  # a new replica starts from what its model's replicas report, not 4
+            own = self._per_replica[replica] = _Ewma(model_est.value)
+        value = model_est.add(ratio, self.weight)
         if self.metrics is not None:
             self.metrics.child(self.metrics.bytes_per_token, key).set(value)
-        per_replica = _ratio_estimate(self._per_replica, replica).add(ratio, self.weight)
+        own.add(ratio, self.weight)
+        if own.count - 1 < MIN_OWN_REPORTS:
+            self._following[replica] = key
+        else:
+            self._following.pop(replica, None)
         if self.index is not None:
-            self.index.set_block_tokens(replica, self.block_chars / per_replica)
+            self.index.set_block_tokens(replica, self.block_chars / self.replica_bytes_per_token(replica))
+            self._move_followers(key, value)
+
+    def _move_followers(self, model: str, value: float) -> None:
+        """Replicas still on their model's ratio take its new value (once it moved by more than
+        FOLLOW_STEP: only while replicas are new, and rarely then)."""
+        last = self._followed_value.get(model)
+        if last is not None and abs(value - last) <= FOLLOW_STEP * last:
+            return
+        self._followed_value[model] = value
+        assert self.index is not None
+        for replica, followed in self._following.items():
+            if followed == model:
+                self.index.set_block_tokens(replica, self.block_chars / value)
 
     def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
         """Learn the replica's effective capacity from a cache hit the index got wrong by a

@@ -38,7 +38,7 @@ from .ranks import routed_body
 
 if TYPE_CHECKING:
     from .pd_relay import PDForwarder
-from .usage import OPENAI_ROUTES, USAGE_EVENT_MARKER, UsageAccount
+from .usage import OPENAI_ROUTES, UsageAccount, holds_usage_event
 from .upstream_http import (
     UpstreamBodyError,
     UpstreamConnectError,
@@ -436,7 +436,7 @@ class Relay:
                     await write(chunk)
                 elif not tail and chunk.endswith(_EVENT_ENDS):
                     # the common case: whole events, relayed as they are
-                    if watch and USAGE_EVENT_MARKER in chunk:
+                    if watch and holds_usage_event(chunk):
                         chunk = usage.take_event(chunk)
                     elif keep_last:
                         before, last = last, chunk
@@ -450,7 +450,7 @@ class Relay:
                     if cut:
                         k = cut - overlap  # >= 1: the old tail held no complete event
                         events = bytes(tail) + chunk[:k] if tail else chunk[:k]
-                        if watch and USAGE_EVENT_MARKER in events:
+                        if watch and holds_usage_event(events):
                             events = usage.take_event(events)
                         elif keep_last:
                             before, last = last, events

@@ -24,6 +24,8 @@ OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A usage-only stream event, as SGLang (pydantic) and the simulated replica (orjson) write it:
 # compact JSON. Inside a JSON string the quotes would be escaped, so content never matches.
 USAGE_EVENT_MARKER = b'"choices":[]'
+# The same event from a server writing JSON with Python's default separators (json.dumps).
+SPACED_USAGE_EVENT_MARKER = b'"choices": []'
 _MAX_TOKENS = 1 << 40
 log = logging.getLogger("kvrouter.usage")
 
@@ -176,14 +178,19 @@ def _events(data: bytes) -> list[bytes]:
     return out
 
 
+def holds_usage_event(data: bytes) -> bool:
+    """`data` may hold a usage-only event (compact or spaced JSON): worth parsing."""
+    return USAGE_EVENT_MARKER in data or SPACED_USAGE_EVENT_MARKER in data
+
+
 def take_usage_event(route: str, data: bytes, drop: bool) -> tuple[bytes, UsageReport | str | None]:
-    """In whole SSE events `data` holding `USAGE_EVENT_MARKER`: the usage of the usage-only event
+    """In whole SSE events `data` holding a usage-event marker: the usage of the usage-only event
     (None if there is none after all) and the bytes to relay: without that event when `drop`
     (the router asked for it, the client did not)."""
     report: UsageReport | str | None = None
     kept: list[bytes] = []
     for event in _events(data):
-        if USAGE_EVENT_MARKER in event:
+        if holds_usage_event(event):
             obj = _event_json(event)
             if isinstance(obj, dict) and obj.get("choices") == [] and "usage" in obj:
                 report = from_object(route, obj)

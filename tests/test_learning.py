@@ -138,3 +138,22 @@ async def test_a_hinted_target_has_no_prediction_to_learn_from(start_app, start_
     assert reg.get_sample_value("kvrouter_cache_prediction_error_ratio_count") == 0
     assert router.index.capacity_tokens(up) == router.index.default_capacity_tokens
     assert router.learner.bytes_per_token("m") < 4.0  # its prompt size still calibrates
+
+
+def test_a_new_replica_follows_its_models_ratio_so_prompt_and_index_share_one_unit() -> None:
+    """Replica "a" has reported once, "b" many times: the prompt size follows the model's ratio,
+    so "a"'s block size must too, or a prompt "a" holds whole looks only ~60% cached there."""
+    index = ShadowKVIndex(block_tokens=64, default_capacity_tokens=1_000_000)
+    learner = UsageLearner(block_chars=256, weight=0.1, index=index)
+    learner.observe("a", "m", UsageReport(1000, None), prompt_bytes=1500, predicted_cached=0, prefix_blocks=())
+    for _ in range(6):
+        learner.observe("b", "m", UsageReport(1000, None), prompt_bytes=1500, predicted_cached=0, prefix_blocks=())
+    blocks = list(range(1, 101))
+    index.record("a", blocks)
+    prompt_tokens = 100 * 256 / learner.bytes_per_token("m")  # what the summary would say
+    assert index.match(blocks)["a"] / prompt_tokens > 0.98
+    assert learner.replica_bytes_per_token("a") == learner.bytes_per_token("m")
+    # once "a" has reports enough of its own, its own estimate (started from the model's) is used
+    for _ in range(20):
+        learner.observe("a", "m", UsageReport(1000, None), prompt_bytes=1500, predicted_cached=0, prefix_blocks=())
+    assert abs(learner.replica_bytes_per_token("a") - 1.5) < 0.1

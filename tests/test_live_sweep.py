@@ -41,7 +41,7 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         "--max-requests", "2", "--replicas", "2", "--kinds", "mini", "--capacities", "2",
         "--chars-per-token", "1.5", "--policies", "consistent_hash", "--time-scale", "50",
         "--external", "fake={python} -m kvrouter.cli serve {worker_url_flags} --port {port} --policy round_robin",
-        "--out-dir", str(out),
+        "--out-dir", str(out), "--records-dir", str(out / "records"),
     ]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -58,6 +58,14 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
     report = (out / "report.md").read_text()
     assert "| mini / " in report and " sessions / 1.5 cpt |" in report and "fake" in report
+    # --records-dir: every request per contender, and the decision log of the kvrouter one
+    stem = "mini-cap2-cpt1.5-consistent_hash"
+    rows = [json.loads(line) for line in (out / "records" / f"{stem}.requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["ok"] and r["ttft_s"] > 0 for r in rows)
+    assert {r["replica"] for r in rows} <= {"replica0", "replica1"}
+    assert [r["start_s"] for r in rows] == sorted(r["start_s"] for r in rows)
+    decisions = (out / "records" / f"{stem}.decisions.jsonl").read_text().splitlines()
+    assert len(decisions) == 1 + 4 and all(json.loads(d)["status"] == 200 for d in decisions[1:])
 
 
 def test_verdict_takes_the_lower_hit_target_and_the_best_peer_p95() -> None:

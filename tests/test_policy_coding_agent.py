@@ -236,3 +236,38 @@ def test_without_prefix_blocks_the_home_is_not_judged_by_the_index():
     reps = [ReplicaView("a", in_flight=3), ReplicaView("b"), ReplicaView("c")]
     d = decide(reps, req(cached={}), SessionView("s1", home="a"))
     assert (d.replica, d.reason) == ("a", "affinity")
+
+
+def test_new_session_takes_a_replica_no_session_calls_home_over_a_shared_system_prompt():
+    # "a" homes two sessions and holds the 57k-token system prompt every session starts with
+    # (1.5 characters per token); "b" and "c" home none. The prompt is cheaper to prefill on "a"
+    # (by ~0.7 s, once), but every later turn of the new session would queue behind its
+    # neighbours' there, and their KV would evict each other's.
+    reps = [ReplicaView("a", homed_sessions=2, homed_tokens=120_000, max_total_num_tokens=577_000),
+            ReplicaView("b", max_total_num_tokens=577_000), ReplicaView("c", max_total_num_tokens=577_000)]
+    request = req(prompt=57_000, cached={"a": 38_000})
+    d = decide(reps, request, SessionView("s1"))
+    assert d.reason == "empty_replica" and d.replica in ("b", "c") and d.home == d.replica
+    off = CodingAgent(CodingAgentParams(empty_replica_max_extra_s=0))
+    d = off.decide(Snapshot(tuple(reps), SessionView("s1")), request, random.Random(0))
+    assert (d.replica, d.reason) == ("a", "new_session")
+    # one session there is not a stack yet: the cost decides
+    reps[0] = ReplicaView("a", homed_sessions=1, homed_tokens=60_000, max_total_num_tokens=577_000)
+    d = decide(reps, request, SessionView("s1"))
+    assert (d.replica, d.reason) == ("a", "new_session")
+
+
+def test_empty_replica_yields_when_it_costs_far_more_or_is_overloaded():
+    # "a" holds 90k of a 100k prompt (a shared repository context): a cold 100k prefill on the
+    # empty replica costs seconds more than the limit, so ordinary placement keeps it.
+    reps = [ReplicaView("a", homed_sessions=2, homed_tokens=20_000), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 90_000}), SessionView("s1"))
+    assert (d.replica, d.reason) == ("a", "new_session")
+    # An empty replica over a high-water mark takes nothing.
+    reps = [ReplicaView("a", homed_sessions=2), ReplicaView("c", num_running_reqs=3, num_queue_reqs=5)]
+    d = decide(reps, req(prompt=21_000, cached={"a": 15_000}), SessionView("s1"))
+    assert (d.replica, d.reason) == ("a", "new_session")
+    # Keyless requests set no home, so they never count as a replica's first session.
+    d = decide([ReplicaView("a", homed_sessions=2), ReplicaView("c")],
+               req(prompt=21_000, cached={"a": 15_000}, key=None), None)
+    assert d.reason != "empty_replica"

@@ -5,6 +5,7 @@ be read (counted, never breaking a response). Real servers on 127.0.0.1, the rea
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -315,3 +316,33 @@ def test_a_client_stream_options_is_replaced_not_named_twice(raw: bytes) -> None
     asked = bytes(body_asking_stream_usage(CHAT, orjson.loads(raw), raw) or b"")
     assert asked.count(b'"stream_options"') == 1
     assert orjson.loads(asked)["stream_options"]["include_usage"] is True
+
+
+async def test_usage_event_written_with_spaces_is_read_and_hidden(start_app, start_router) -> None:
+    """A server writing JSON with Python's default separators (`"choices": []`): the router still
+    reads its usage, and still takes out the usage event the client did not ask for."""
+    sent: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = [{"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({"id": "c", "choices": [], "usage": {
+                "prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 8}}})
+        for e in [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]:
+            sent.append(e)
+            await resp.write(e)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post(CHAT, chat)
+    up = await start_app(app)
+    router, url = await start_router([up])
+    status, got = await _post(url, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert status == 200 and b'"choices": []' in b"".join(sent)
+    assert got == b"".join(e for e in sent if b'"choices": []' not in e)
+    assert _sample(router, "kvrouter_cached_tokens_reported_total", replica=up) == 8
+    assert _sample(router, "kvrouter_usage_ignored_total", reason="missing") in (None, 0)
