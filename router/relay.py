@@ -423,6 +423,8 @@ class Relay:
         watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
         keep_last = sse and usage.placement is not None and usage.route == "/generate"
         before = last = b""
+        held = b""  # the body's last bytes, once the replica has sent its end: they go out
+        # with the response's end (the empty chunk) in one write, not two
         try:
             if first is None:
                 chunk = await readany()
@@ -431,37 +433,42 @@ class Relay:
                 chunk = first
             while chunk:
                 if not sse:
-                    await write(chunk)
+                    out = chunk
                 elif not tail and chunk.endswith(_EVENT_ENDS):
                     # the common case: whole events, relayed as they are
                     if watch and USAGE_EVENT_MARKER in chunk:
                         chunk = usage.take_event(chunk)
                     elif keep_last:
                         before, last = last, chunk
-                    if chunk:
-                        await write(chunk)
+                    out = chunk
                 else:
                     # Forward whole events only, so a failure later can never leave half a
                     # line. Only the new bytes (and 3 before them) are scanned for a boundary.
+                    out = b""
                     overlap = min(3, len(tail))
                     cut = _last_event_end(tail[len(tail) - overlap:] + chunk if overlap else chunk)
                     if cut:
                         k = cut - overlap  # >= 1: the old tail held no complete event
-                        events = bytes(tail) + chunk[:k] if tail else chunk[:k]
-                        if watch and USAGE_EVENT_MARKER in events:
-                            events = usage.take_event(events)
+                        out = bytes(tail) + chunk[:k] if tail else chunk[:k]
+                        if watch and USAGE_EVENT_MARKER in out:
+                            out = usage.take_event(out)
                         elif keep_last:
-                            before, last = last, events
-                        if events:
-                            await write(events)
+                            before, last = last, out
                         tail = bytearray(chunk[k:])
                     else:
                         tail += chunk
                     if len(tail) > max_tail:  # an event that never ends must not grow memory
+                        if out:
+                            await write(out)
                         attempt.broke("sse_event_too_large")
                         return await self._end_with_error(
                             request, response, sse, f"replica {url} sent an SSE event larger than "
                             f"upstream.max_sse_event_bytes ({max_tail} bytes)")
+                if upstream.at_eof:
+                    held = out
+                    break
+                if out:
+                    await write(out)
                 chunk = await readany()
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
@@ -476,7 +483,7 @@ class Relay:
                 raise  # the client went away, or something else cancels this handler
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
         if tail:
-            await response.write(bytes(tail))
+            held += tail
         usage.stream_ended(sse, before + last if keep_last else b"")
-        await response.write_eof()
+        await response.write_eof(held)
         return response
