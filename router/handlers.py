@@ -1,5 +1,5 @@
 """The data port's request handlers: inference (parse just enough, summarize, relay), the
-merged /v1/models, health, readiness, metrics, and the JSON 404/405/417 answers."""
+merged /v1/models, health, readiness and metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from aiohttp import web
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
 from .config import RouterConfig, normalize_replica_url
+from .data_http import Answer, Request
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .poller import SignalPoller
@@ -58,7 +59,7 @@ class Handlers:
         """SIGTERM: /ready answers 503 and new inference requests get 503 from now on."""
         self.shutting_down = True
 
-    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+    async def handle_inference(self, request: Request) -> Answer:
         started = self.clock()
         route = request.path
         request_id = request_id_from(request.headers)
@@ -76,8 +77,8 @@ class Handlers:
             m.child(m.duration, route).observe(self.clock() - started)
 
     async def _inference(
-        self, request: web.Request, route: str, request_id: str
-    ) -> web.StreamResponse:
+        self, request: Request, route: str, request_id: str
+    ) -> Answer:
         rid_header = {REQUEST_ID: request_id}
         if self.shutting_down:
             return error_response(503, "router is shutting down", "service_unavailable",
@@ -168,7 +169,7 @@ class Handlers:
             return None
         return url if url in self.registry else None
 
-    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+    async def handle_models(self, request: Request) -> Answer:
         """The union of every healthy replica's /v1/models, queried concurrently."""
         assert self.relay.session is not None
         session = self.relay.session
@@ -200,29 +201,10 @@ class Handlers:
             content_type="application/json",
         )
 
-    async def expect(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue` is honoured; any other expectation is a JSON 417."""
-        if request.headers.get("Expect", "").lower() == "100-continue":
-            if request.version >= (1, 1):
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                request.writer.output_size = 0
-            return None
-        return error_response(417, "unsupported Expect header (only 100-continue)",
-                              "invalid_request_error", {"Connection": "close"})
-
-    async def handle_unrouted(self, request: web.Request) -> web.StreamResponse:
-        allowed = sorted({
-            r.method for r in request.app.router.routes()
-            if r.method != "*" and r.resource is not None and r.resource.canonical == request.path
-        })
-        if allowed:
-            raise web.HTTPMethodNotAllowed(request.method, allowed)
-        raise web.HTTPNotFound()
-
-    async def handle_health(self, request: web.Request) -> web.StreamResponse:
+    async def handle_health(self, request: Request) -> Answer:
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
-    async def handle_ready(self, request: web.Request) -> web.StreamResponse:
+    async def handle_ready(self, request: Request) -> Answer:
         healthy = sum(1 for v in self.registry.snapshot().replicas if v.healthy)
         ready = healthy > 0 and not self.shutting_down
         state: dict[str, Any] = {"healthy_replicas": healthy, "replicas": len(self.registry),
@@ -237,6 +219,6 @@ class Handlers:
         return web.Response(status=200 if ready else 503, body=body,
                             content_type="application/json")
 
-    async def handle_metrics(self, request: web.Request) -> web.StreamResponse:
+    async def handle_metrics(self, request: Request) -> Answer:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})

@@ -27,6 +27,7 @@ from .admission import Ticket
 from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
+from .data_http import Answer, Request, StreamResponse
 from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
@@ -60,7 +61,7 @@ _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 _CLIENT_WRITE_GRACE_S = 10.0
 
 
-def _abort_client(request: web.Request) -> None:
+def _abort_client(request: Request) -> None:
     transport = request.transport
     if transport is not None and not transport.is_closing():
         log.warning("client of %s stopped reading; connection cut after upstream.total_timeout_s",
@@ -73,14 +74,6 @@ def _last_event_end(data: bytes | bytearray) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-class _Response(web.StreamResponse):
-    """A streamed response whose status line and headers go out in the same write as the first
-    body bytes (aiohttp's `Response` does this for whole bodies; `StreamResponse` sends headers
-    on `prepare`). One segment instead of two: nothing for Nagle or delayed ACKs to hold back."""
-
-    _send_headers_immediately = False
 
 
 class Relay:
@@ -160,7 +153,7 @@ class Relay:
 
     async def forward(
         self,
-        request: web.Request,
+        request: Request,
         body: bytes,
         summary: RequestSummary,
         request_id: str,
@@ -169,7 +162,7 @@ class Relay:
         prompt_bytes: int = 0,
         drop_usage: bool = False,
         ticket: Ticket | None = None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
         a routing hint) bypasses the policy. The replica's reported usage goes to the placement
@@ -233,7 +226,7 @@ class Relay:
 
     async def _attempts(
         self,
-        request: web.Request,
+        request: Request,
         body: bytes,
         route: RequestRoute,
         placement: Placement | None,
@@ -241,7 +234,7 @@ class Relay:
         usage: UsageAccount,
         trace: RequestTrace | None = None,
         decide_ns: int = 0,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Send to each placement in turn (router/placement.py), from the first one (`placement`,
         its slot already reserved; `decide_ns`: when its decision began, for tracing), until a
         replica takes the request; retries only before the first byte reaches the client. What
@@ -310,13 +303,13 @@ class Relay:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: Request,
         upstream: UpstreamResponse,
         attempt: Placement,
         request_id: str,
         sent: float,
         usage: UsageAccount,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         url = attempt.url
         headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
@@ -364,8 +357,8 @@ class Relay:
 
     @staticmethod
     async def _end_with_error(
-        request: web.Request, response: web.StreamResponse, sse: bool, message: str, code: int = 502
-    ) -> web.StreamResponse:
+        request: Request, response: StreamResponse, sse: bool, message: str, code: int = 502
+    ) -> Answer:
         if sse:
             await response.write(sse_error_event(message, code))
             await response.write_eof()
@@ -377,7 +370,7 @@ class Relay:
 
     async def _stream(
         self,
-        request: web.Request,
+        request: Request,
         upstream: UpstreamResponse,
         attempt: Placement,
         headers: CIMultiDict[str],
@@ -385,9 +378,9 @@ class Relay:
         sent: float,
         usage: UsageAccount,
         first: bytes | None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         url = attempt.url
-        response = _Response(status=upstream.status, headers=headers)
+        response = StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
@@ -402,15 +395,15 @@ class Relay:
 
     async def _relay_body(
         self,
-        request: web.Request,
-        response: web.StreamResponse,
+        request: Request,
+        response: StreamResponse,
         upstream: UpstreamResponse,
         attempt: Placement,
         sse: bool,
         sent: float,
         usage: UsageAccount,
         first: bytes | None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Relays the body; `first` is its first chunk when already read (plain bodies)."""
         url = attempt.url
         write = response.write

@@ -76,7 +76,7 @@ async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(star
         assert head.startswith(b"HTTP/1.1 200"), head
         assert first in head, head
         # Both of the router's sockets for this exchange have Nagle off.
-        server_socks = [h.transport.get_extra_info("socket") for h in runner.server.connections
+        server_socks = [h.transport.get_extra_info("socket") for h in runner.connections
                         if h.transport is not None]
         assert server_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in server_socks)
@@ -120,7 +120,7 @@ async def test_the_last_event_leaves_with_the_end_of_the_body(start_app):
         head = await asyncio.wait_for(reader.read(65536), 10)
         assert first in head, head
         # The replica sends its last event 0.5 s later; count the router's writes from here on.
-        [handler] = [h for h in runner.server.connections if h.transport is not None]
+        [handler] = [h for h in runner.connections if h.transport is not None]
         counting = _CountingTransport(handler.transport)
         handler.transport = counting  # type: ignore[assignment]
         rest = b""
