@@ -112,7 +112,7 @@ class StreamResponse:
     async def write(self, data: bytes) -> None:
         conn = self._conn
         assert conn is not None, "StreamResponse.prepare() not called"
-        if conn.closing:
+        if conn.closing or conn.transport.is_closing():  # type: ignore[union-attr]
             raise ConnectionResetError("client connection closed")
         if not data:
             return

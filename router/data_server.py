@@ -56,6 +56,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.closing = False
         self.must_close = False  # close once the response being written is done
+        self.upgraded = False  # the client asked for an upgrade: the parser stops there
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._url = b""
@@ -114,10 +115,16 @@ class _Connection(asyncio.Protocol):
                 self._drain = None
 
     def data_received(self, data: bytes) -> None:
+        if self.closing or self.upgraded:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            pass  # no upgrades here: the request is served as a plain one, then the connection closes
+            # No upgrades here: the request is answered as a plain one, then the connection
+            # closes (what follows an upgrade request is not HTTP).
+            self.upgraded = self.must_close = True
+            if self._serving is None and not self._queue:
+                self._close()
         except httptools.HttpParserError as err:
             self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
         except _HeadersTooLarge:

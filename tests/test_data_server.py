@@ -79,3 +79,12 @@ async def test_a_body_over_the_limit_is_a_json_413_and_the_connection_closes(sta
     writer.close()
     assert data.startswith(b"HTTP/1.1 413")
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["type"] == "request_too_large"
+
+
+async def test_an_upgrade_request_is_answered_plainly_then_the_connection_closes(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    data = await _read_all(reader)  # the bytes after an upgrade are not HTTP: nothing more is read
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b'{"status":"ok"}')
