@@ -43,6 +43,10 @@ _MAX_HEADERS_TOTAL = 64 * 1024
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
+# Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
+_SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
+                         "content-type", "etag", "host", "max-forwards", "server",
+                         "transfer-encoding", "user-agent"})
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # the server's to set
 
 
@@ -62,6 +66,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._raw_headers: list[tuple[str, str]] = []
         self._header_bytes = 0
+        self._singletons: set[str] | None = None  # the single-valued headers seen so far
         self._parsing: Request | None = None
         self._queue: deque[Request] = deque()
         self._serving: Request | None = None
@@ -126,27 +131,37 @@ class _Connection(asyncio.Protocol):
             if self._serving is None and not self._queue:
                 self._close()
         except httptools.HttpParserError as err:
-            self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
-        except _HeadersTooLarge:
-            self._protocol_error(431, "malformed HTTP request: request headers too large")
+            cause = err.__context__  # what one of the callbacks below raised, if it was one
+            if isinstance(cause, _Malformed):
+                self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
+            else:
+                self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
 
     # -- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url = b""
         self._raw_headers = []
         self._header_bytes = 0
+        self._singletons = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > _MAX_HEADER_BYTES:
-            raise _HeadersTooLarge
+            raise _Malformed(431, "request target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name) + len(value)
         self._header_bytes += size
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
-            raise _HeadersTooLarge
-        self._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            raise _Malformed(431, "request headers too large")
+        key = name.decode("latin-1")
+        if key.lower() in _SINGLETONS:
+            if self._singletons is None:
+                self._singletons = set()
+            if key.lower() in self._singletons:  # which one counts is ambiguous: refused
+                raise _Malformed(400, f"duplicate {key} header")
+            self._singletons.add(key.lower())
+        self._raw_headers.append((key, value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -320,8 +335,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class _HeadersTooLarge(Exception):
-    pass
+class _Malformed(Exception):
+    """Raised by a parser callback: the request is answered `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class DataServer:

@@ -88,3 +88,20 @@ async def test_an_upgrade_request_is_answered_plainly_then_the_connection_closes
     data = await _read_all(reader)  # the bytes after an upgrade are not HTTP: nothing more is read
     writer.close()
     assert data.startswith(b"HTTP/1.1 200") and data.endswith(b'{"status":"ok"}')
+
+
+async def test_malformed_requests_are_json_errors_and_close_the_connection(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    cases = [
+        (_post(CHAT, b"Content-Type: application/json"), 400),  # a single-valued header twice
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", 400),
+    ]
+    for raw, status in cases:
+        reader, writer = await _open(url)
+        writer.write(raw)
+        data = await _read_all(reader)  # returns only once the router closes
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 %d" % status), data[:200]
+        error = orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == status and error["message"].startswith("malformed HTTP request")
