@@ -1,4 +1,4 @@
-"""The composition root: builds the router's parts, its aiohttp application and its lifecycle.
+"""The composition root: builds the router's parts, its data-port server and its lifecycle.
 
 The parts live in modules of their own: the request handlers (router/handlers.py), the
 middlewares (router/middlewares.py), the replica set at run time (router/membership.py), the
@@ -16,8 +16,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 
-from aiohttp import web
-
 from ..metrics.router_metrics import RouterMetrics
 from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import Policy
@@ -26,6 +24,7 @@ from .admission import policy_marks
 from .admission_gate import AdmissionGate
 from .affinity import AffinityStore, MemoryAffinityStore, RedisAffinityStore
 from .config import ConfigError, DisaggregationConfig, RouterConfig
+from .data_server import DataServer, Handler, Middleware
 from .decision_log import DecisionLog, worker_path
 from .decode_pool import DecodePool, DiscoveredPDFleet
 from .discovery import discovery_ctx
@@ -59,7 +58,7 @@ log = logging.getLogger("kvrouter")
 class Router:
     """The composition root of one router process: builds the routing engine, the affinity
     store, the relay, the replica membership, the handlers and the background loops, and wires
-    them into an aiohttp application (`build_app`) whose lifecycle starts and stops them."""
+    them into the data port's server (`build_server`), whose lifecycle starts and stops them."""
 
     def __init__(
         self,
@@ -255,33 +254,31 @@ class Router:
             self.relay.admission.wake()
 
     # -- application --------------------------------------------------------------------------
-    def build_app(self) -> web.Application:
+    def build_server(self) -> DataServer:
+        """The data port's server (router/data_server.py): its routes, middlewares and the
+        lifecycle that starts and stops the router's parts."""
         server = self.config.server
-        middlewares = [errors_middleware(server.max_body_bytes)]
+        middlewares: list[Middleware] = [errors_middleware(server.max_body_bytes)]
         if self.api_keys:  # only when client keys are configured (they are read once, at start)
             middlewares.append(auth_middleware(self.api_keys, self.key_limiter, self.config.auth,
                                                self.metrics))
-        app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
         h = self.handlers
-        expect = {"expect_handler": h.expect}
-        for route in INFERENCE_ROUTES:
-            app.router.add_post(route, h.handle_inference, **expect)
-        app.router.add_get("/v1/models", h.handle_models, **expect)
-        app.router.add_get("/health", h.handle_health, **expect)
-        app.router.add_get("/ready", h.handle_ready, **expect)
-        app.router.add_get("/metrics", h.handle_metrics, **expect)
-        # Last: unknown paths and methods get their 404/405 here, inside the middlewares, and
-        # with our Expect handler (aiohttp's own runs before middlewares and can fail with 500).
-        app.router.add_route("*", "/{tail:.*}", h.handle_unrouted, **expect)
-        app.cleanup_ctx.append(self._lifecycle)
-        # After _lifecycle, so it stops first.
+        routes: dict[str, dict[str, Handler]] = {route: {"POST": h.handle_inference}
+                                                 for route in INFERENCE_ROUTES}
+        routes["/v1/models"] = {"GET": h.handle_models}
+        routes["/health"] = {"GET": h.handle_health}
+        routes["/ready"] = {"GET": h.handle_ready}
+        routes["/metrics"] = {"GET": h.handle_metrics}
         pd = None
         if self.decode_pool is not None and self.relay.pd is not None:
             pd = DiscoveredPDFleet(self.decode_pool, self.relay.pd.discovered_ports)
-        app.cleanup_ctx.append(discovery_ctx(self.config.discovery, self.membership, self.metrics, pd))
-        return app
+        # Discovery after the lifecycle, so it stops first.
+        lifecycles = [self._lifecycle, discovery_ctx(self.config.discovery, self.membership, self.metrics, pd)]
+        return DataServer(routes, middlewares, lifecycles, max_body_bytes=server.max_body_bytes,
+                          header_timeout_s=server.client_header_timeout_s,
+                          shutdown_grace_s=server.shutdown_grace_s)
 
-    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+    async def _lifecycle(self, server: object) -> AsyncIterator[None]:
         await self.relay.start()
         await self.affinity.start()
         assert self.relay.session is not None

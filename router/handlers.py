@@ -1,5 +1,5 @@
 """The data port's request handlers: inference (parse just enough, summarize, relay), the
-merged /v1/models, health, readiness, metrics, and the JSON 404/405/417 answers."""
+merged /v1/models, health, readiness and metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
 from .body_prefixes import BodyPrefixes
 from .config import RouterConfig, normalize_replica_url
+from .data_http import Answer, Request
 from .errors import error_response
 from .headers import REQUEST_ID, request_id_from
 from .poller import SignalPoller
@@ -63,7 +64,7 @@ class Handlers:
         """SIGTERM: /ready answers 503 and new inference requests get 503 from now on."""
         self.shutting_down = True
 
-    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+    async def handle_inference(self, request: Request) -> Answer:
         started = self.clock()
         route = request.path
         request_id = request_id_from(request.headers)
@@ -81,18 +82,18 @@ class Handlers:
             m.child(m.duration, route).observe(self.clock() - started)
 
     async def _inference(
-        self, request: web.Request, route: str, request_id: str
-    ) -> web.StreamResponse:
+        self, request: Request, route: str, request_id: str
+    ) -> Answer:
         rid_header = {REQUEST_ID: request_id}
         if self.shutting_down:
             return error_response(503, "router is shutting down", "service_unavailable",
                                   {**rid_header, "Retry-After": "1", "Connection": "close"})
         try:
             if request.content.is_eof():  # the whole body came with the headers: no timer needed
-                body = await self._read_body(request)
+                body = await request.read()
             else:
                 async with asyncio.timeout(self.config.server.client_body_timeout_s):
-                    body = await self._read_body(request)
+                    body = await request.read()
         except TimeoutError:
             return error_response(408, "request body not received in time", "invalid_request_error",
                                   {**rid_header, "Connection": "close"})
@@ -146,15 +147,6 @@ class Handlers:
         return await self.relay.forward(request, body, summary, request_id, target,
                                         prompt_bytes=text_bytes, drop_usage=drop_usage, ticket=ticket)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body. With a declared length within max_body_bytes, what arrived is joined
-        once (`request.read()` copies it twice more: a 400 KB prompt's ~80 us); otherwise aiohttp
-        reads it, which raises 413 (answered by the middleware) above the limit."""
-        length = request.content_length
-        if length is not None and length <= self.config.server.max_body_bytes:
-            return await request.content.read()
-        return await request.read()
-
     async def summarize_request(
         self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]
     ) -> RequestSummary:
@@ -189,7 +181,7 @@ class Handlers:
             return None
         return url if url in self.registry else None
 
-    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+    async def handle_models(self, request: Request) -> Answer:
         """The union of every healthy replica's /v1/models, queried concurrently."""
         assert self.relay.session is not None
         session = self.relay.session
@@ -221,29 +213,10 @@ class Handlers:
             content_type="application/json",
         )
 
-    async def expect(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue` is honoured; any other expectation is a JSON 417."""
-        if request.headers.get("Expect", "").lower() == "100-continue":
-            if request.version >= (1, 1):
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                request.writer.output_size = 0
-            return None
-        return error_response(417, "unsupported Expect header (only 100-continue)",
-                              "invalid_request_error", {"Connection": "close"})
-
-    async def handle_unrouted(self, request: web.Request) -> web.StreamResponse:
-        allowed = sorted({
-            r.method for r in request.app.router.routes()
-            if r.method != "*" and r.resource is not None and r.resource.canonical == request.path
-        })
-        if allowed:
-            raise web.HTTPMethodNotAllowed(request.method, allowed)
-        raise web.HTTPNotFound()
-
-    async def handle_health(self, request: web.Request) -> web.StreamResponse:
+    async def handle_health(self, request: Request) -> Answer:
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
-    async def handle_ready(self, request: web.Request) -> web.StreamResponse:
+    async def handle_ready(self, request: Request) -> Answer:
         healthy = sum(1 for v in self.registry.snapshot().replicas if v.healthy)
         ready = healthy > 0 and not self.shutting_down
         state: dict[str, Any] = {"healthy_replicas": healthy, "replicas": len(self.registry),
@@ -258,6 +231,6 @@ class Handlers:
         return web.Response(status=200 if ready else 503, body=body,
                             content_type="application/json")
 
-    async def handle_metrics(self, request: web.Request) -> web.StreamResponse:
+    async def handle_metrics(self, request: Request) -> Answer:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": self.metrics.content_type})

@@ -1,4 +1,5 @@
-"""The data port's aiohttp middlewares: OpenAI-shaped errors, and client API keys."""
+"""The data port's middlewares (router/data_server.py runs each request's handler inside them):
+OpenAI-shaped errors, and client API keys."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from ..metrics.router_metrics import RouterMetrics
 from .config import AuthConfig
+from .data_http import Answer, Request
 from .errors import error_response
 from .security import KeyLimiter, bearer_token, constant_time_in
 
@@ -18,15 +20,14 @@ log = logging.getLogger("kvrouter")
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})  # never behind client API keys
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+Handler = Callable[[Request], Awaitable[Answer]]
+Middleware = Callable[[Request, Handler], Awaitable[Answer]]
 
 
 def errors_middleware(max_body_bytes: int) -> Middleware:
     """Every error the router itself produces is an OpenAI-shaped JSON body."""
 
-    @web.middleware
-    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def errors(request: Request, handler: Handler) -> Answer:
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -60,8 +61,7 @@ def auth_middleware(
     """Client API keys: constant-time check, then a per-key in-flight limit on inference routes.
     Installed only when keys are configured (they are read once, at start)."""
 
-    @web.middleware
-    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def authenticate(request: Request, handler: Handler) -> Answer:
         if not api_keys or request.path in OPEN_ROUTES:
             return await handler(request)
         token = bearer_token(request.headers)

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 from yarl import URL
 
 from .config import DisaggregationConfig
+from .data_http import Answer, Request
 from .decode_pool import DecodePool, DecodeSlot
 from .errors import error_response
 from .headers import REQUEST_ID
@@ -140,7 +140,7 @@ class PDForwarder:
 
     async def attempts(
         self,
-        request: web.Request,
+        request: Request,
         body: bytes,
         route: RequestRoute,
         placement: Placement | None,
@@ -149,7 +149,7 @@ class PDForwarder:
         headers: CIMultiDict[str],
         trace: RequestTrace | None = None,
         decide_ns: int = 0,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Send `placement` (its slot already reserved; None: no prefill server) and a decode
         server the request at once, retrying on another pair before the first byte. `trace`:
         the request's spans (`decide_ns`: when the first decision began)."""
@@ -254,7 +254,7 @@ class PDForwarder:
 
     async def _decode_half(
         self,
-        request: web.Request,
+        request: Request,
         d_task: asyncio.Task[UpstreamResponse],
         decode: DecodeSlot,
         prefill: Placement,
@@ -262,7 +262,7 @@ class PDForwarder:
         sent: float,
         usage: UsageAccount,
         last: bool,
-    ) -> web.StreamResponse | str:
+    ) -> Answer | str:
         """Relay the decode server's answer; a string (the problem) when the pair is retried."""
         relay, m = self.relay, self.relay.metrics
         try:

@@ -27,6 +27,7 @@ from .admission import Ticket
 from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
+from .data_http import Answer, Request, StreamResponse
 from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
@@ -61,7 +62,7 @@ _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 _CLIENT_WRITE_GRACE_S = 10.0
 
 
-def _abort_client(request: web.Request) -> None:
+def _abort_client(request: Request) -> None:
     transport = request.transport
     if transport is not None and not transport.is_closing():
         log.warning("client of %s stopped reading; connection cut after upstream.total_timeout_s",
@@ -74,14 +75,6 @@ def _last_event_end(data: bytes | bytearray) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-class _Response(web.StreamResponse):
-    """A streamed response whose status line and headers go out in the same write as the first
-    body bytes (aiohttp's `Response` does this for whole bodies; `StreamResponse` sends headers
-    on `prepare`). One segment instead of two: nothing for Nagle or delayed ACKs to hold back."""
-
-    _send_headers_immediately = False
 
 
 class Relay:
@@ -161,7 +154,7 @@ class Relay:
 
     async def forward(
         self,
-        request: web.Request,
+        request: Request,
         body: bytes | SplicedBody,
         summary: RequestSummary,
         request_id: str,
@@ -170,7 +163,7 @@ class Relay:
         prompt_bytes: int = 0,
         drop_usage: bool = False,
         ticket: Ticket | None = None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
         a routing hint) bypasses the policy. The replica's reported usage goes to the placement
@@ -234,7 +227,7 @@ class Relay:
 
     async def _attempts(
         self,
-        request: web.Request,
+        request: Request,
         body: bytes | SplicedBody,
         route: RequestRoute,
         placement: Placement | None,
@@ -242,7 +235,7 @@ class Relay:
         usage: UsageAccount,
         trace: RequestTrace | None = None,
         decide_ns: int = 0,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Send to each placement in turn (router/placement.py), from the first one (`placement`,
         its slot already reserved; `decide_ns`: when its decision began, for tracing), until a
         replica takes the request; retries only before the first byte reaches the client. What
@@ -312,13 +305,13 @@ class Relay:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: Request,
         upstream: UpstreamResponse,
         attempt: Placement,
         request_id: str,
         sent: float,
         usage: UsageAccount,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         url = attempt.url
         headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
@@ -366,8 +359,8 @@ class Relay:
 
     @staticmethod
     async def _end_with_error(
-        request: web.Request, response: web.StreamResponse, sse: bool, message: str, code: int = 502
-    ) -> web.StreamResponse:
+        request: Request, response: StreamResponse, sse: bool, message: str, code: int = 502
+    ) -> Answer:
         if sse:
             await response.write(sse_error_event(message, code))
             await response.write_eof()
@@ -379,7 +372,7 @@ class Relay:
 
     async def _stream(
         self,
-        request: web.Request,
+        request: Request,
         upstream: UpstreamResponse,
         attempt: Placement,
         headers: CIMultiDict[str],
@@ -387,9 +380,9 @@ class Relay:
         sent: float,
         usage: UsageAccount,
         first: bytes | None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         url = attempt.url
-        response = _Response(status=upstream.status, headers=headers)
+        response = StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
@@ -404,15 +397,15 @@ class Relay:
 
     async def _relay_body(
         self,
-        request: web.Request,
-        response: web.StreamResponse,
+        request: Request,
+        response: StreamResponse,
         upstream: UpstreamResponse,
         attempt: Placement,
         sse: bool,
         sent: float,
         usage: UsageAccount,
         first: bytes | None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Relays the body; `first` is its first chunk when already read (plain bodies)."""
         url = attempt.url
         write = response.write
@@ -425,6 +418,8 @@ class Relay:
         watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
         keep_last = sse and usage.placement is not None and usage.route == "/generate"
         before = last = b""
+        held = b""  # the body's last bytes, once the replica has sent its end: they go out
+        # with the response's end (the empty chunk) in one write, not two
         try:
             if first is None:
                 chunk = await readany()
@@ -433,37 +428,42 @@ class Relay:
                 chunk = first
             while chunk:
                 if not sse:
-                    await write(chunk)
+                    out = chunk
                 elif not tail and chunk.endswith(_EVENT_ENDS):
                     # the common case: whole events, relayed as they are
                     if watch and holds_usage_event(chunk):
                         chunk = usage.take_event(chunk)
                     elif keep_last:
                         before, last = last, chunk
-                    if chunk:
-                        await write(chunk)
+                    out = chunk
                 else:
                     # Forward whole events only, so a failure later can never leave half a
                     # line. Only the new bytes (and 3 before them) are scanned for a boundary.
+                    out = b""
                     overlap = min(3, len(tail))
                     cut = _last_event_end(tail[len(tail) - overlap:] + chunk if overlap else chunk)
                     if cut:
                         k = cut - overlap  # >= 1: the old tail held no complete event
-                        events = bytes(tail) + chunk[:k] if tail else chunk[:k]
-                        if watch and holds_usage_event(events):
-                            events = usage.take_event(events)
+                        out = bytes(tail) + chunk[:k] if tail else chunk[:k]
+                        if watch and holds_usage_event(out):
+                            out = usage.take_event(out)
                         elif keep_last:
-                            before, last = last, events
-                        if events:
-                            await write(events)
+                            before, last = last, out
                         tail = bytearray(chunk[k:])
                     else:
                         tail += chunk
                     if len(tail) > max_tail:  # an event that never ends must not grow memory
+                        if out:
+                            await write(out)
                         attempt.broke("sse_event_too_large")
                         return await self._end_with_error(
                             request, response, sse, f"replica {url} sent an SSE event larger than "
                             f"upstream.max_sse_event_bytes ({max_tail} bytes)")
+                if upstream.at_eof:
+                    held = out
+                    break
+                if out:
+                    await write(out)
                 chunk = await readany()
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
@@ -478,7 +478,7 @@ class Relay:
                 raise  # the client went away, or something else cancels this handler
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
         if tail:
-            await response.write(bytes(tail))
+            held += tail
         usage.stream_ended(sse, before + last if keep_last else b"")
-        await response.write_eof()
+        await response.write_eof(held)
         return response

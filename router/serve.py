@@ -11,11 +11,9 @@ import signal
 import socket
 from collections.abc import Callable
 
-from aiohttp import web
-
 from .app import Router
 from .config import ConfigError, RouterConfig
-from .http_errors import JSONErrorAppRunner
+from .data_server import DataServer
 from .security import install_log_redaction, quiet_client_protocol_errors
 
 log = logging.getLogger("kvrouter")
@@ -32,24 +30,17 @@ def install_uvloop() -> bool:
 
 async def start_site(
     router: Router, host: str, port: int, reuse_port: bool = False
-) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner and the bound port (useful with port 0).
+) -> tuple[DataServer, int]:
+    """Start serving; returns the server and the bound port (useful with port 0).
     `reuse_port`: SO_REUSEPORT, so several worker processes share the port (the kernel spreads
-    new connections over them)."""
-    # handler_cancellation: a client that disconnects cancels its handler at once, which
-    # closes the upstream connection, so SGLang aborts the request instead of decoding for nobody.
-    # shutdown_timeout: on cleanup, in-flight handlers get this long to finish (the grace period).
-    # keepalive_timeout: aiohttp closes a connection that has not delivered a whole request
-    # (headers) within it, from the moment it opens: slowloris clients are bounded by it.
-    server = router.config.server
-    runner = JSONErrorAppRunner(
-        router.build_app(), handler_cancellation=True, access_log=None,
-        shutdown_timeout=server.shutdown_grace_s, keepalive_timeout=server.client_header_timeout_s,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
-    await site.start()
-    return runner, runner.addresses[0][1]
+    new connections over them). A client that disconnects cancels its handler at once, which
+    closes the upstream connection, so SGLang aborts the request instead of decoding for nobody;
+    on cleanup, in-flight requests get `server.shutdown_grace_s` to finish; a connection must
+    deliver a whole request's headers within `server.client_header_timeout_s` of opening or of
+    its last answer (slowloris clients are bounded by it)."""
+    server = router.build_server()
+    bound = await server.start(host, port, reuse_port)
+    return server, bound
 
 
 def reload_from(router: Router, reader: Callable[[], RouterConfig]) -> None:
@@ -66,7 +57,7 @@ def reload_from(router: Router, reader: Callable[[], RouterConfig]) -> None:
     log.info("config reloaded: %s", ", ".join(changes) or "no routing change")
 
 
-async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
+async def graceful_stop(router: Router, runner: DataServer) -> None:
     """SIGTERM: /ready answers 503 at once and new requests get 503 (Connection: close); after
     `shutdown_delay_s` the listener closes, idle connections are closed, and in-flight requests
     get `shutdown_grace_s` to finish before they are cut. Then the background loops stop."""
@@ -84,7 +75,7 @@ async def graceful_stop(router: Router, runner: web.AppRunner) -> None:
         await asyncio.sleep(max(0.0, server.shutdown_grace_s - 0.05))
         left = sum(v.in_flight for v in router.registry.snapshot().replicas)
         # Cut now, while the connections are still open: streams get an SSE error event, the
-        # rest a 503 (aiohttp alone would close them, and only after a second timeout).
+        # rest a 503 (closing them would end the streams without one).
         router.relay.cut_requests("router shutting down: request cut at the end of the grace period")
 
     watch = asyncio.create_task(at_deadline())

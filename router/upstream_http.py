@@ -128,6 +128,12 @@ class UpstreamResponse:
         self._conn.resume()
         return data
 
+    @property
+    def at_eof(self) -> bool:
+        """The whole body has arrived and been read: the next `readany` returns b"". Lets the
+        relay send its last bytes with the end of the response in one write."""
+        return self._done and not self._chunks
+
     async def read(self) -> bytes:
         parts = []
         while chunk := await self.readany():

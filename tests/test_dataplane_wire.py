@@ -4,6 +4,8 @@
   no client waits on a delayed ACK for the rest of a split response (checked at the socket: the
   upstream holds its first event back, and the client's first recv() must already contain it);
 - TCP_NODELAY on both of the router's sockets (client side and replica side);
+- a stream's last bytes leave in the same write as the end of the chunked body once the
+  replica's end has arrived with them (one write, not two);
 - SSE events split anywhere across upstream reads are relayed byte-identical, and a stream that
   breaks mid-event delivers only whole events, then the error event.
 """
@@ -23,15 +25,20 @@ from kvrouter.router.serve import start_site
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 
 
-def scripted_upstream(pieces: list[bytes], delay_s: float = 0.02, abort: bool = False) -> web.Application:
-    """Writes `pieces` one by one with a pause between them (so the router reads them apart)."""
+def scripted_upstream(pieces: list[bytes], delay_s: float = 0.02, abort: bool = False,
+                      last_with_end: bool = False) -> web.Application:
+    """Writes `pieces` one by one with a pause between them (so the router reads them apart);
+    `last_with_end`: the last piece goes out in the same write as the end of the body."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             await asyncio.sleep(delay_s)
+            if last_with_end and i == len(pieces) - 1:
+                await resp.write_eof(piece)
+                return resp
             await resp.write(piece)
         if abort:
             assert request.transport is not None
@@ -69,7 +76,7 @@ async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(star
         assert head.startswith(b"HTTP/1.1 200"), head
         assert first in head, head
         # Both of the router's sockets for this exchange have Nagle off.
-        server_socks = [h.transport.get_extra_info("socket") for h in runner.server.connections
+        server_socks = [h.transport.get_extra_info("socket") for h in runner.connections
                         if h.transport is not None]
         assert server_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in server_socks)
@@ -77,6 +84,52 @@ async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(star
         assert upstream_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in upstream_socks)
         await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+class _CountingTransport:
+    """Stands in for a server connection's transport: counts the writes that pass through."""
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.real.write(data)
+
+    def writelines(self, lines: list[bytes]) -> None:
+        self.writes.append(b"".join(lines))
+        self.real.writelines(lines)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+async def test_the_last_event_leaves_with_the_end_of_the_body(start_app):
+    first, last = b'data: {"n":0}\n\n', b"data: [DONE]\n\n"
+    replica = await start_app(scripted_upstream([first, last], delay_s=0.5, last_with_end=True))
+    router, runner, port = await _router(replica)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(65536), 10)
+        assert first in head, head
+        # The replica sends its last event 0.5 s later; count the router's writes from here on.
+        [handler] = [h for h in runner.connections if h.transport is not None]
+        counting = _CountingTransport(handler.transport)
+        handler.transport = counting  # type: ignore[assignment]
+        rest = b""
+        while not rest.endswith(b"0\r\n\r\n"):
+            got = await asyncio.wait_for(reader.read(65536), 10)
+            assert got, rest
+            rest += got
+        assert counting.writes == [rest], counting.writes
+        assert last in rest
         writer.close()
     finally:
         await runner.cleanup()

@@ -1,0 +1,146 @@
+"""The data port's request and streamed-response objects (router/data_server.py serves them).
+
+A `Request` carries what the handlers read: method, path (decoded), the target as the client
+encoded it (`rel_url.raw_path_qs`), headers, and its body as it arrives. A `StreamResponse` is
+written as it goes; whole answers are aiohttp `web.Response` values (the admin API shares the
+error helpers that build them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Union
+
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+if TYPE_CHECKING:
+    from .data_server import _Connection
+
+Answer = Union[web.StreamResponse, "StreamResponse"]  # what a data-port handler returns
+
+
+class _RelURL:
+    """The request target as the client encoded it (what the relay forwards)."""
+
+    __slots__ = ("raw_path_qs",)
+
+    def __init__(self, raw_path_qs: str) -> None:
+        self.raw_path_qs = raw_path_qs
+
+
+class Request:
+    """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
+
+    __slots__ = ("method", "path", "rel_url", "headers", "version", "keep_alive", "_conn",
+                 "_chunks", "_size", "_complete", "_too_large", "_waiter", "expect")
+
+    def __init__(self, conn: _Connection, method: str, path: str, raw_path_qs: str,
+                 headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool) -> None:
+        self.method = method
+        self.path = path
+        self.rel_url = _RelURL(raw_path_qs)
+        self.headers = headers
+        self.version = version
+        self.keep_alive = keep_alive
+        self.expect = headers.get("Expect")
+        self._conn = conn
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        self._too_large = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._conn.transport
+
+    @property
+    def content(self) -> Request:  # `request.content.is_eof()`, as on an aiohttp request
+        return self
+
+    def is_eof(self) -> bool:
+        return self._complete
+
+    async def read(self) -> bytes:
+        """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit."""
+        while not self._complete and not self._too_large:
+            if self._conn.closing:
+                raise ConnectionResetError("client connection closed")
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._too_large:
+            raise web.HTTPRequestEntityTooLarge(self._conn.server.max_body_bytes, self._size)
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class StreamResponse:
+    """A response written as it goes: status line and headers leave with the first body bytes
+    (one segment: nothing for Nagle or delayed ACKs to hold back); chunked for HTTP/1.1
+    clients, ended by closing the connection for HTTP/1.0 ones."""
+
+    def __init__(self, *, status: int = 200, headers: Iterable[tuple[str, str]] | None = None) -> None:
+        self.status = status
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or ())
+        self._conn: _Connection | None = None
+        self._head: bytes | None = None
+        self._chunked = True
+        self.eof_sent = False
+
+    async def prepare(self, request: Request) -> None:
+        conn = request._conn
+        self._conn = conn
+        self._chunked = request.version >= (1, 1)
+        if not self._chunked:
+            conn.must_close = True
+        keep = conn.keeps_alive(request, self.headers)
+        if not keep:
+            conn.must_close = True
+        extra = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        self._head = conn.server.head(self.status, self.headers, extra, keep)
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        assert conn is not None, "StreamResponse.prepare() not called"
+        if conn.closing or conn.transport.is_closing():  # type: ignore[union-attr]
+            raise ConnectionResetError("client connection closed")
+        if not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        conn.transport.write(data)  # type: ignore[union-attr]
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        conn = self._conn
+        assert conn is not None, "StreamResponse.prepare() not called"
+        if self.eof_sent:
+            return
+        self.eof_sent = True
+        if conn.closing:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        if data:
+            conn.transport.write(data)  # type: ignore[union-attr]
+        if conn.write_paused:
+            await conn.drain()

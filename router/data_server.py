@@ -1,0 +1,447 @@
+"""The data port's HTTP/1.1 server: an asyncio Protocol per connection, requests parsed by
+httptools (llhttp, the parser uvicorn uses), answers written with one transport write each.
+
+aiohttp's web server spent about a third of the router's CPU on a small proxied request
+(request and response objects, middleware wrappers, its payload streams); the data port needs
+a handful of fixed routes and none of that. The admin port keeps aiohttp.
+
+One request at a time per connection: requests a client pipelines are parsed as they arrive and
+served in order. A client that goes away cancels the handler of its request (the relay then
+aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
+error helpers build them; the admin API shares the helpers); streamed answers are
+`StreamResponse` (router/data_http.py), whose headers go out with its first body bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from email.utils import formatdate
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from .data_http import Answer, Request, StreamResponse
+from .errors import error_response
+
+log = logging.getLogger("kvrouter")
+
+Handler = Callable[[Request], Awaitable[Answer]]
+Middleware = Callable[..., Awaitable[Any]]
+Lifecycle = Callable[[Any], AsyncIterator[None]]
+
+_MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
+_MAX_HEADERS_TOTAL = 64 * 1024
+_MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
+_REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
+_MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
+# Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
+_SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
+                         "content-type", "etag", "host", "max-forwards", "server",
+                         "transfer-encoding", "user-agent"})
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # the server's to set
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, serves them one at a time, keeps alive."""
+
+    def __init__(self, server: DataServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closing = False
+        self.must_close = False  # close once the response being written is done
+        self.upgraded = False  # the client asked for an upgrade: the parser stops there
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._url = b""
+        self._raw_headers: list[tuple[str, str]] = []
+        self._header_bytes = 0
+        self._singletons: set[str] | None = None  # the single-valued headers seen so far
+        self._parsing: Request | None = None
+        self._queue: deque[Request] = deque()
+        self._serving: Request | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading_paused = False
+
+    # -- transport events -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.server.connections.add(self)
+        self._idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        self._cancel_timer()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: its handler (and the replica's work) ends
+        self._queue.clear()
+        for request in (self._parsing, self._serving):
+            if request is not None:
+                request._wake()
+        waiter = self._drain
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("client connection closed"))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiter = self._drain
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        if self.closing:
+            raise ConnectionResetError("client connection closed")
+        if self.write_paused:
+            self._drain = self.loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self.upgraded:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # No upgrades here: the request is answered as a plain one, then the connection
+            # closes (what follows an upgrade request is not HTTP).
+            self.upgraded = self.must_close = True
+            if self._serving is None and not self._queue:
+                self._close()
+        except httptools.HttpParserError as err:
+            cause = err.__context__  # what one of the callbacks below raised, if it was one
+            if isinstance(cause, _Malformed):
+                self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
+            else:
+                self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
+
+    # -- parser callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._raw_headers = []
+        self._header_bytes = 0
+        self._singletons = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > _MAX_HEADER_BYTES:
+            raise _Malformed(431, "request target too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value)
+        self._header_bytes += size
+        if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
+            raise _Malformed(431, "request headers too large")
+        key = name.decode("latin-1")
+        if key.lower() in _SINGLETONS:
+            if self._singletons is None:
+                self._singletons = set()
+            if key.lower() in self._singletons:  # which one counts is ambiguous: refused
+                raise _Malformed(400, f"duplicate {key} header")
+            self._singletons.add(key.lower())
+        self._raw_headers.append((key, value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = self._url
+        if url[:1] != b"/":  # absolute form (or "*"): only its path and query are ours
+            try:
+                parsed = httptools.parse_url(url)
+            except httptools.HttpParserInvalidURLError:
+                raise httptools.HttpParserError("invalid request target") from None
+            raw = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+        else:
+            raw = url
+        raw_path_qs = raw.decode("latin-1")
+        raw_path = raw_path_qs.partition("?")[0]
+        path = unquote(raw_path) if "%" in raw_path else raw_path
+        version = (1, 1) if parser.get_http_version() == "1.1" else (1, 0)
+        request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
+                          CIMultiDictProxy(CIMultiDict(self._raw_headers)), version,
+                          parser.should_keep_alive())
+        self._parsing = request
+        length = request.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+            request._too_large = True
+        if self._serving is None:
+            self._serve(request)
+        else:
+            self._queue.append(request)
+            if len(self._queue) >= _MAX_PIPELINED and not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def on_body(self, body: bytes) -> None:
+        request = self._parsing
+        if request is None or request._too_large:
+            return
+        request._size += len(body)
+        if request._size > self.server.max_body_bytes:
+            request._too_large = True
+            request._chunks = []
+            request._wake()
+            return
+        request._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        request = self._parsing
+        if request is not None:
+            self._parsing = None
+            request._complete = True
+            request._wake()
+
+    # -- serving -----------------------------------------------------------------------------------
+    def _serve(self, request: Request) -> None:
+        self._cancel_timer()
+        self._serving = request
+        expect = request.expect
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                self._answer_now(request, error_response(
+                    417, "unsupported Expect header (only 100-continue)", "invalid_request_error",
+                    {"Connection": "close"}))
+                return
+            if request.version >= (1, 1) and not request._complete:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
+        self._task = self.loop.create_task(self._run(request))
+
+    def _answer_now(self, request: Request, response: web.Response) -> None:
+        self.must_close = True
+        self._write_whole(request, response)
+        self._finished(request)
+
+    async def _run(self, request: Request) -> None:
+        try:
+            response = await self.server.dispatch(request)
+        except asyncio.CancelledError:
+            if self.closing:
+                return  # the client went away
+            raise
+        except ConnectionResetError:
+            return
+        except Exception:  # a bug must still answer in the API's shape, and never kill the loop
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = error_response(500, "internal router error", "internal_error")
+        if self.closing:
+            return
+        if isinstance(response, StreamResponse):
+            if response._conn is None:
+                await response.prepare(request)
+            if not response.eof_sent:
+                await response.write_eof()
+        else:
+            self._write_whole(request, response)
+        self._finished(request)
+
+    def _write_whole(self, request: Request, response: web.StreamResponse) -> None:
+        if self.closing:
+            return
+        body = response.body if isinstance(response, web.Response) else None
+        if not isinstance(body, (bytes, bytearray)):
+            body = b""
+        keep = self.keeps_alive(request, response.headers) and response.keep_alive is not False
+        if request._too_large or not request._complete and request._size > 0:
+            keep = False  # what is left of the body is not worth reading
+        if not keep:
+            self.must_close = True
+        extra = b"Content-Length: %d\r\n" % len(body)
+        head = self.server.head(response.status, response.headers, extra, keep, response.reason)
+        self.transport.write(head if request.method == "HEAD" else head + body)  # type: ignore[union-attr]
+
+    def keeps_alive(self, request: Request, headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> bool:
+        if self.must_close or self.server.stopping or not request.keep_alive:
+            return False
+        connection = headers.get("Connection")
+        return connection is None or connection.lower() != "close"
+
+    def _finished(self, request: Request) -> None:
+        self._serving = None
+        self._task = None
+        if self.must_close or self.closing:
+            self._close()
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self._queue:
+            self._serve(self._queue.popleft())
+        elif self.server.stopping:
+            self._close()
+        else:
+            self._idle()
+
+    def _protocol_error(self, status: int, message: str) -> None:
+        """The parser's state is unknown after a protocol error: answer (if nothing is being
+        answered now) and close."""
+        self._queue.clear()
+        self._parsing = None
+        if self._serving is not None:
+            self.must_close = True
+            if self.transport is not None and not self.closing:
+                self.transport.pause_reading()
+            return
+        response = error_response(status, message, _MALFORMED_KINDS.get(status, "invalid_request_error"),
+                                  {"Connection": "close"})
+        body = response.body
+        assert isinstance(body, bytes)
+        head = self.server.head(status, response.headers, b"Content-Length: %d\r\n" % len(body),
+                                False, response.reason)
+        if self.transport is not None and not self.closing:
+            self.transport.write(head + body)
+        self._close()
+
+    # -- idle connections --------------------------------------------------------------------------
+    def _idle(self) -> None:
+        """No request being served: one must arrive (its headers complete) within the header
+        timeout, counted from now, or the connection is closed (bounds slowloris clients)."""
+        self._cancel_timer()
+        self._timer = self.loop.call_later(self.server.header_timeout_s, self._close)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def idle(self) -> bool:
+        return self._serving is None and not self._queue
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+
+class _Malformed(Exception):
+    """Raised by a parser callback: the request is answered `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DataServer:
+    """Serves the data port: routes (path -> {method: handler}), middlewares applied around
+    every handler (outermost first), and the lifecycle contexts run at start and, in reverse,
+    at stop."""
+
+    def __init__(self, routes: dict[str, dict[str, Handler]], middlewares: list[Middleware],
+                 lifecycles: list[Lifecycle], *, max_body_bytes: int, header_timeout_s: float,
+                 shutdown_grace_s: float) -> None:
+        self.routes = routes
+        self.middlewares = middlewares
+        self.lifecycles = lifecycles
+        self.max_body_bytes = max_body_bytes
+        self.header_timeout_s = header_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.connections: set[_Connection] = set()
+        self.stopping = False
+        self.loop = asyncio.get_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._running: list[AsyncIterator[None]] = []
+        self._date = b""
+        self._date_at = 0.0
+        self.addresses: list[Any] = []
+        # The handler chains, built once: middlewares around each route's handler.
+        self._chains: dict[tuple[str, str], Handler] = {}
+        for path, methods in routes.items():
+            for method, handler in methods.items():
+                self._chains[(path, method)] = self._wrap(handler)
+        self._unrouted = self._wrap(self._not_routed)
+
+    def _wrap(self, handler: Handler) -> Handler:
+        for middleware in reversed(self.middlewares):
+            handler = functools.partial(middleware, handler=handler)
+        return handler
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        self.loop = asyncio.get_running_loop()
+        for lifecycle in self.lifecycles:
+            running = lifecycle(self)
+            await running.__anext__()
+            self._running.append(running)
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, backlog=1024, reuse_port=reuse_port or None)
+        self.addresses = [s.getsockname() for s in self._server.sockets]
+        return int(self.addresses[0][1])
+
+    async def cleanup(self) -> None:
+        """Stop: close the listener and the idle connections; requests being served get
+        `shutdown_grace_s` to finish, then are cancelled; then the lifecycles stop, in reverse."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.idle:
+                conn._close()
+        deadline = time.monotonic() + self.shutdown_grace_s
+        while any(not c.idle for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in list(self.connections):
+            conn._close()
+        for running in reversed(self._running):
+            try:
+                await running.__anext__()
+            except StopAsyncIteration:
+                pass
+        self._running.clear()
+
+    async def dispatch(self, request: Request) -> Any:
+        method = request.method
+        chain = self._chains.get((request.path, "GET" if method == "HEAD" else method))
+        return await (chain or self._unrouted)(request)
+
+    async def _not_routed(self, request: Request) -> web.StreamResponse:
+        methods = self.routes.get(request.path)
+        if methods:
+            allowed = sorted(set(methods) | ({"HEAD"} if "GET" in methods else set()))
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
+
+    def head(self, status: int, headers: CIMultiDict[str] | CIMultiDictProxy[str], extra: bytes,
+             keep_alive: bool, reason: str | None = None) -> bytes:
+        """The status line and headers (with Date and Connection), ending in a blank line."""
+        now = self.loop.time()
+        if now - self._date_at >= 1.0:
+            self._date = formatdate(usegmt=True).encode()
+            self._date_at = now
+        reason = reason or _REASONS.get(status, "")
+        lines = [f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")]
+        for name, value in headers.items():
+            if name.lower() not in _FRAMING:
+                lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        if "Date" not in headers:
+            lines.append(b"Date: %b\r\n" % self._date)
+        lines.append(extra)
+        if not keep_alive:
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
