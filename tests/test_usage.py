@@ -315,3 +315,15 @@ def test_a_client_stream_options_is_replaced_not_named_twice(raw: bytes) -> None
     asked = bytes(body_asking_stream_usage(CHAT, orjson.loads(raw), raw) or b"")
     assert asked.count(b'"stream_options"') == 1
     assert orjson.loads(asked)["stream_options"]["include_usage"] is True
+
+
+def test_a_rank_added_to_a_re_serialised_usage_request_is_still_one_json_object() -> None:
+    # with dp_size > 1 the relay adds routed_dp_rank to the body the handler asked usage on
+    from kvrouter.router.ranks import routed_body
+
+    raw = b'{"stream":true,"stream_options":{"continuous_usage_stats":false},"messages":[]}'
+    asked = body_asking_stream_usage(CHAT, orjson.loads(raw), raw)
+    assert asked is not None
+    ranked = bytes(routed_body(asked, 2))
+    assert orjson.loads(ranked) == {**orjson.loads(raw), "routed_dp_rank": 2, "stream_options": {
+        "continuous_usage_stats": False, "include_usage": True}}
