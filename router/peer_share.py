@@ -176,9 +176,11 @@ class PeerShare:
                        in_flight: list[Any] | None = None) -> None:
         n = len(records) // 2 + len(homes) // 3
         assert self._publisher is not None
+        # no counts: the three members that routers from before in-flight sharing read
+        message = [self.sender, records, homes] if in_flight is None else \
+            [self.sender, records, homes, in_flight]
         try:
-            await self._publisher.execute(b"PUBLISH", self.channel,
-                                          msgpack.packb([self.sender, records, homes, in_flight]))
+            await self._publisher.execute(b"PUBLISH", self.channel, msgpack.packb(message))
         except (PipeRedisError, OSError, TimeoutError) as err:
             log.debug("peer share: publish failed: %s", err)
             self._count("publish_errors")

@@ -133,3 +133,30 @@ async def test_a_router_places_by_the_other_routers_requests_in_flight(start_app
         assert await mine == free
         await asyncio.gather(*held)
     await _until(lambda: peer_busy(b) == {} and peer_busy(a) == {}, "the counts to drop to zero")
+
+
+async def test_a_router_sharing_no_counts_sends_the_three_member_message(redis_server):
+    # routers from before in-flight sharing read only [sender, records, homes]
+    import redis.asyncio as aioredis
+
+    registry = ReplicaRegistry([R1])
+    channel = share_channel("inflight-test:", 256)
+    share = PeerShare(redis_server.url, channel, index=ShadowKVIndex(block_tokens=64),
+                      table=None, known=registry.__contains__)
+    listener = aioredis.Redis.from_url(redis_server.url)
+    pubsub = listener.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(channel)
+    share.start(spawn)
+    try:
+        share.recorded(R1, [1, 2])
+        deadline = asyncio.get_running_loop().time() + 10
+        message = None
+        while message is None:
+            assert asyncio.get_running_loop().time() < deadline, "no message published"
+            message = await pubsub.get_message(timeout=0.1)
+        decoded = msgpack.unpackb(message["data"])
+        assert len(decoded) == 3 and decoded[1][0] == R1
+    finally:
+        await share.close()
+        await pubsub.aclose()
+        await listener.aclose()
