@@ -246,3 +246,27 @@ def test_locating_the_end_of_messages_parses_at_most_one_body_more(monkeypatch) 
                          "meta": meta})
     same(store, body)
     assert len(store) == 0 and sum(parsed_bytes) <= 2 * len(body)
+
+
+def test_the_memory_kept_stays_within_the_bound_with_many_small_messages() -> None:
+    # a parsed short message (a dict, its strings) takes several times its JSON bytes
+    import gc
+    import tracemalloc
+
+    bound = 1 << 20
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        store = BodyPrefixes(max_bytes=bound)
+        for c in range(100):
+            messages: list[Any] = [{"role": "system", "content": f"{c} " + "s" * 3000}]
+            for turn in range(6):
+                messages += [{"role": "user", "content": f"ok {turn}"}] * 20
+                body = orjson.dumps({"model": "m", "messages": messages})
+                store.loads(bytes(bytearray(body)), f"s{c}")  # an exact block, as a client's is
+        del messages, body
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert store.hits > 0 and kept <= 1.2 * bound, kept
