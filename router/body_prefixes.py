@@ -260,9 +260,13 @@ class BodyPrefixes:
                 after = orjson.loads(b"".join((_OPEN_EMPTY, view[pos:])))
             except orjson.JSONDecodeError:
                 continue
-            if after.get("messages") == [] and all(k in after for k in later) and all(
-                    k == "messages" or (k in parsed and parsed[k] == v) for k, v in after.items()):
-                return _value_end(body, pos)
+            try:
+                if after.get("messages") == [] and all(k in after for k in later) and all(
+                        k == "messages" or (k in parsed and parsed[k] == v)
+                        for k, v in after.items()):
+                    return _value_end(body, pos)
+            except RecursionError:  # values nested about as deep as orjson reads: not kept
+                return None
         return None
 
     def _keep(self, chain: _Prefix) -> None:

@@ -327,3 +327,18 @@ def test_corrupted_turns_of_random_conversations_parse_as_a_whole_parse(rng: Any
             assert _outcome(lambda b: store.loads(b, session), bytes(bad)) == \
                 _outcome(orjson.loads, bytes(bad))
         assert _outcome(lambda b: store.loads(b, session), body) == _outcome(orjson.loads, body)
+
+
+async def test_a_deeply_nested_member_after_the_messages_is_forwarded(start_app, start_router):
+    # locating the end of "messages" compares the members after it with the whole parse's:
+    # nested near orjson's limit, that comparison must not fail the request
+    fake = FakeUpstream("one")
+    url = await start_app(fake.app())
+    _, r_url = await start_router([url])
+    deep = b"[" * 1000 + b"]" * 1000
+    body = b'{"messages":[{"role":"user","content":"' + b"x" * 5000 + b'"}],"x":' + deep + b"}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r_url + CHAT, data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    assert [req["raw"] for req in fake.requests] == [body]
