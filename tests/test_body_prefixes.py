@@ -342,3 +342,17 @@ async def test_a_deeply_nested_member_after_the_messages_is_forwarded(start_app,
             assert r.status == 200, await r.text()
             await r.read()
     assert [req["raw"] for req in fake.requests] == [body]
+
+
+def test_two_turns_extending_one_prefix_each_parse_as_a_whole_parse() -> None:
+    # two requests continuing the same conversation differently (a retry, a fork), in turn:
+    # the first supersedes the shared prefix, the second must not be matched to the first's
+    store = BodyPrefixes(max_bytes=1 << 24)
+    first, second = turns(2, ENCODINGS["python json, tools after"])
+    same(store, first, "s")
+    same(store, second, "s")
+    fork_a = second.replace(b'"1 x ] y"', b'"1 fork a"')
+    fork_b = second.replace(b'"1 x ] y"', b'"1 fork b, longer"')
+    for body in (fork_a, fork_b, fork_a, fork_b, second):
+        for session in ("s", "t", None):
+            same(store, body, session)
