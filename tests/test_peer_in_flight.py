@@ -148,11 +148,12 @@ async def test_a_router_sharing_no_counts_sends_the_three_member_message(redis_s
     await pubsub.subscribe(channel)
     share.start(spawn)
     try:
-        share.recorded(R1, [1, 2])
+        await asyncio.wait_for(share.subscribed.wait(), 10)
         deadline = asyncio.get_running_loop().time() + 10
         message = None
-        while message is None:
+        while message is None:  # again until one arrives: the listener may not be subscribed yet
             assert asyncio.get_running_loop().time() < deadline, "no message published"
+            share.recorded(R1, [1, 2])
             message = await pubsub.get_message(timeout=0.1)
         decoded = msgpack.unpackb(message["data"])
         assert len(decoded) == 3 and decoded[1][0] == R1
