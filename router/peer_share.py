@@ -318,6 +318,11 @@ class PeerShare:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            # redis-py's get_message can swallow a cancel that lands as its read times out, and
+            # the loop reads on: cancel again until the task has ended
+            while not task.done():
+                await asyncio.wait([task], timeout=0.1)
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []

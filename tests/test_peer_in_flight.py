@@ -161,3 +161,19 @@ async def test_a_router_sharing_no_counts_sends_the_three_member_message(redis_s
         await share.close()
         await pubsub.aclose()
         await listener.aclose()
+
+
+async def test_closing_right_after_starting_ends_every_loop(redis_server):
+    # a cancel landing as the subscriber's read times out was swallowed: close() then waited on
+    # a loop that went on reading (a router's shutdown with it)
+    for attempt in range(12):
+        registry = ReplicaRegistry([R1])
+        share = PeerShare(redis_server.url, share_channel("inflight-test:", 256),
+                          index=ShadowKVIndex(block_tokens=64), table=None,
+                          known=registry.__contains__, registry=registry)
+        share.start(spawn)
+        share.recorded(R1, [1])
+        await asyncio.sleep(0.002 * attempt)
+        closing = asyncio.ensure_future(share.close())
+        done, _ = await asyncio.wait([closing], timeout=4)
+        assert done, f"close() still waiting after 4 s (attempt {attempt})"
