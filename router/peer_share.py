@@ -176,9 +176,11 @@ class PeerShare:
                        in_flight: list[Any] | None = None) -> None:
         n = len(records) // 2 + len(homes) // 3
         assert self._publisher is not None
+        # no counts: the three members that routers from before in-flight sharing read
+        message = [self.sender, records, homes] if in_flight is None else \
+            [self.sender, records, homes, in_flight]
         try:
-            await self._publisher.execute(b"PUBLISH", self.channel,
-                                          msgpack.packb([self.sender, records, homes, in_flight]))
+            await self._publisher.execute(b"PUBLISH", self.channel, msgpack.packb(message))
         except (PipeRedisError, OSError, TimeoutError) as err:
             log.debug("peer share: publish failed: %s", err)
             self._count("publish_errors")
@@ -316,6 +318,11 @@ class PeerShare:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            # redis-py's get_message can swallow a cancel that lands as its read times out, and
+            # the loop reads on: cancel again until the task has ended
+            while not task.done():
+                await asyncio.wait([task], timeout=0.1)
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []

@@ -71,7 +71,9 @@ def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> Sp
     if not _must_ask_stream_usage(route, body):
         return None
     if "stream_options" in body:  # rare: re-serialize, so no strict parser sees the key twice
-        return SplicedBody((orjson.dumps({**body, "stream_options": _asked_options(body)}),))
+        dumped = memoryview(orjson.dumps({**body, "stream_options": _asked_options(body)}))
+        return SplicedBody((dumped[:-1], dumped[-1:]))  # the closing brace its own piece, as
+        # a SplicedBody's last piece must be (routed_dp_rank goes in front of it)
     return with_member(raw, b'"stream_options":' + orjson.dumps(_asked_options(body)))
 
 

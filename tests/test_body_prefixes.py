@@ -7,6 +7,7 @@ refusing a turn whose new bytes are not JSON."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -246,3 +247,112 @@ def test_locating_the_end_of_messages_parses_at_most_one_body_more(monkeypatch) 
                          "meta": meta})
     same(store, body)
     assert len(store) == 0 and sum(parsed_bytes) <= 2 * len(body)
+
+
+def test_the_memory_kept_stays_within_the_bound_with_many_small_messages() -> None:
+    # a parsed short message (a dict, its strings) takes several times its JSON bytes
+    import gc
+    import tracemalloc
+
+    bound = 1 << 20
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        store = BodyPrefixes(max_bytes=bound)
+        for c in range(100):
+            messages: list[Any] = [{"role": "system", "content": f"{c} " + "s" * 3000}]
+            for turn in range(6):
+                messages += [{"role": "user", "content": f"ok {turn}"}] * 20
+                body = orjson.dumps({"model": "m", "messages": messages})
+                store.loads(bytes(bytearray(body)), f"s{c}")  # an exact block, as a client's is
+        del messages, body
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert store.hits > 0 and kept <= 1.2 * bound, kept
+
+
+_SPLICES = [b"]", b"[", b"{", b"}", b",", b'"', b":", b"1", b"-", b".5", b"1e999", b"NaN", b" ", b"\n",
+            b"\xff", b"\xc3", b"\xe2\x82", b"\xef\xbb\xbf", b"\\", b"tru", b"null", b'"messages"',
+            b'],"messages":[', b'],"model":"z"}', b'{"a":1}', b"12345678901234567890123",
+            b'],"x":[', b"]}", b"]} "]
+_BETWEEN = [b'],"messages":[', b'],"model":"z"}', b'],"x":[', b"]}", b"] ,", b'],"messages":[],"x":[']
+
+
+def _outcome(loads: Any, body: bytes) -> tuple[str, Any]:
+    try:
+        got = loads(body)
+    except orjson.JSONDecodeError as err:
+        return "error", str(err)
+    return "parsed", (got, orjson.dumps(got) if isinstance(got, dict) else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rng=st.randoms(use_true_random=False))
+def test_corrupted_turns_of_random_conversations_parse_as_a_whole_parse(rng: Any) -> None:
+    # append-only conversations where some turns have bytes inserted, deleted or replaced
+    # (near the stored prefix's end or anywhere after it): the store's answer, parse or error,
+    # is always orjson's for the whole body
+    from kvrouter.router.body_prefixes import _NONCE
+
+    store = BodyPrefixes(max_bytes=rng.choice([1 << 24, 20_000]), min_bytes=rng.choice([0, 4096]))
+    indent = rng.choice([None, 1])
+    before = rng.choice([{}, {"model": "m"}, {"model": "m", "messages": [1]}])
+    after = rng.choice([{}, {"stream": True}, {"tools": TOOLS, "stream": True, "m": {"l": [1], "stream": 1}}])
+    messages: list[Any] = [{"role": "system", "content": "s" * rng.randint(100, 5000)}]
+    for _ in range(rng.randint(2, 6)):
+        for _ in range(rng.randint(1, 3)):
+            messages.append({"role": "user", "content": rng.choice(
+                [TRICKY, _NONCE, "x" * rng.randint(0, 300), [{"type": "text", "text": "t"}],
+                 rng.randint(-2**63, 2**64 - 1), rng.random()])})
+        body = json.dumps({**before, "messages": messages, **after}, indent=indent).encode()
+        session = rng.choice([None, "s", "t"])
+        if rng.random() < 0.5:
+            bad = bytearray(body)
+            # the commas between messages: there a message array may end, or a new one begin
+            between = [body.rfind(b",", 0, m.start()) for m in re.finditer(b'"role"', body)][2:]
+            for _ in range(rng.randint(1, 3)):
+                at = rng.randint(rng.choice([len(body) // 2, len(body) - 60]), len(bad))
+                kind = rng.random()
+                if kind < 0.3 and between and len(bad) == len(body):
+                    at = rng.choice(between)
+                    bad[at:at + 1] = rng.choice(_BETWEEN)
+                elif kind < 0.5:
+                    bad[at:at] = rng.choice(_SPLICES)
+                elif kind < 0.75:
+                    del bad[at:at + rng.randint(1, 5)]
+                else:
+                    bad[at:at + 1] = rng.choice(_SPLICES)
+            assert _outcome(lambda b: store.loads(b, session), bytes(bad)) == \
+                _outcome(orjson.loads, bytes(bad))
+        assert _outcome(lambda b: store.loads(b, session), body) == _outcome(orjson.loads, body)
+
+
+async def test_a_deeply_nested_member_after_the_messages_is_forwarded(start_app, start_router):
+    # locating the end of "messages" compares the members after it with the whole parse's:
+    # nested near orjson's limit, that comparison must not fail the request
+    fake = FakeUpstream("one")
+    url = await start_app(fake.app())
+    _, r_url = await start_router([url])
+    deep = b"[" * 1000 + b"]" * 1000
+    body = b'{"messages":[{"role":"user","content":"' + b"x" * 5000 + b'"}],"x":' + deep + b"}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r_url + CHAT, data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    assert [req["raw"] for req in fake.requests] == [body]
+
+
+def test_two_turns_extending_one_prefix_each_parse_as_a_whole_parse() -> None:
+    # two requests continuing the same conversation differently (a retry, a fork), in turn:
+    # the first supersedes the shared prefix, the second must not be matched to the first's
+    store = BodyPrefixes(max_bytes=1 << 24)
+    first, second = turns(2, ENCODINGS["python json, tools after"])
+    same(store, first, "s")
+    same(store, second, "s")
+    fork_a = second.replace(b'"1 x ] y"', b'"1 fork a"')
+    fork_b = second.replace(b'"1 x ] y"', b'"1 fork b, longer"')
+    for body in (fork_a, fork_b, fork_a, fork_b, second):
+        for session in ("s", "t", None):
+            same(store, body, session)

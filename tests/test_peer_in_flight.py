@@ -133,3 +133,47 @@ async def test_a_router_places_by_the_other_routers_requests_in_flight(start_app
         assert await mine == free
         await asyncio.gather(*held)
     await _until(lambda: peer_busy(b) == {} and peer_busy(a) == {}, "the counts to drop to zero")
+
+
+async def test_a_router_sharing_no_counts_sends_the_three_member_message(redis_server):
+    # routers from before in-flight sharing read only [sender, records, homes]
+    import redis.asyncio as aioredis
+
+    registry = ReplicaRegistry([R1])
+    channel = share_channel("inflight-test:", 256)
+    share = PeerShare(redis_server.url, channel, index=ShadowKVIndex(block_tokens=64),
+                      table=None, known=registry.__contains__)
+    listener = aioredis.Redis.from_url(redis_server.url)
+    pubsub = listener.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(channel)
+    share.start(spawn)
+    try:
+        await asyncio.wait_for(share.subscribed.wait(), 10)
+        deadline = asyncio.get_running_loop().time() + 10
+        message = None
+        while message is None:  # again until one arrives: the listener may not be subscribed yet
+            assert asyncio.get_running_loop().time() < deadline, "no message published"
+            share.recorded(R1, [1, 2])
+            message = await pubsub.get_message(timeout=0.1)
+        decoded = msgpack.unpackb(message["data"])
+        assert len(decoded) == 3 and decoded[1][0] == R1
+    finally:
+        await share.close()
+        await pubsub.aclose()
+        await listener.aclose()
+
+
+async def test_closing_right_after_starting_ends_every_loop(redis_server):
+    # a cancel landing as the subscriber's read times out was swallowed: close() then waited on
+    # a loop that went on reading (a router's shutdown with it)
+    for attempt in range(12):
+        registry = ReplicaRegistry([R1])
+        share = PeerShare(redis_server.url, share_channel("inflight-test:", 256),
+                          index=ShadowKVIndex(block_tokens=64), table=None,
+                          known=registry.__contains__, registry=registry)
+        share.start(spawn)
+        share.recorded(R1, [1])
+        await asyncio.sleep(0.002 * attempt)
+        closing = asyncio.ensure_future(share.close())
+        done, _ = await asyncio.wait([closing], timeout=4)
+        assert done, f"close() still waiting after 4 s (attempt {attempt})"

@@ -346,3 +346,15 @@ async def test_usage_event_written_with_spaces_is_read_and_hidden(start_app, sta
     assert got == b"".join(e for e in sent if b'"choices": []' not in e)
     assert _sample(router, "kvrouter_cached_tokens_reported_total", replica=up) == 8
     assert _sample(router, "kvrouter_usage_ignored_total", reason="missing") in (None, 0)
+
+
+def test_a_rank_added_to_a_re_serialised_usage_request_is_still_one_json_object() -> None:
+    # with dp_size > 1 the relay adds routed_dp_rank to the body the handler asked usage on
+    from kvrouter.router.ranks import routed_body
+
+    raw = b'{"stream":true,"stream_options":{"continuous_usage_stats":false},"messages":[]}'
+    asked = body_asking_stream_usage(CHAT, orjson.loads(raw), raw)
+    assert asked is not None
+    ranked = bytes(routed_body(asked, 2))
+    assert orjson.loads(ranked) == {**orjson.loads(raw), "routed_dp_rank": 2, "stream_options": {
+        "continuous_usage_stats": False, "include_usage": True}}
