@@ -164,17 +164,18 @@ class CodingAgent:
             pool = self.candidates(snapshot, request, rng)
         if not pool:
             return None
+        usable = self.high_water(pool)  # filtered once: the empty-replica rule and _choose
         if reason == "new_session" and keyed:
-            empty = self._empty_replica(pool, request, rng)
+            empty = self._empty_replica(usable, request, rng)
             if empty is not None:
                 return Decision(empty.id, "empty_replica", home=empty.id)
         # A retry after the home just failed this request keeps the home; others (re)assign it.
         sets_home = keyed and reason != "retry"
-        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost)
+        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost, usable)
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
 
     def _empty_replica(
-        self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random
+        self, usable: list[ReplicaView], request: RequestSummary, rng: random.Random
     ) -> ReplicaView | None:
         """The cheapest usable replica that is no session's home, if the cheapest candidate is
         already home to `empty_replica_min_homed` sessions and the empty one costs at most
@@ -182,7 +183,6 @@ class CodingAgent:
         sessions: the replica holding the shared system prompt would otherwise collect them
         all (live, at 1.5 characters per token, the first four of four)."""
         p = self.params
-        usable = self.high_water(pool)
         empty = [r for r in usable if r.homed_sessions == 0]
         if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
             return None
@@ -202,10 +202,12 @@ class CodingAgent:
         rng: random.Random,
         reason: str,
         score: ExpectedCost,
+        usable: list[ReplicaView] | None = None,
     ) -> tuple[ReplicaView, str]:
-        """filter -> score -> pick; when every candidate is over a high-water mark the cheapest of
-        them still takes it (`fallback`)."""
-        usable = self.high_water(pool)
+        """filter -> score -> pick (`usable`: `pool` already filtered); when every candidate is
+        over a high-water mark the cheapest of them still takes it (`fallback`)."""
+        if usable is None:
+            usable = self.high_water(pool)
         if not usable:
             usable, reason = pool, "fallback"
         return self.pick(usable, score(usable, request), rng), reason
