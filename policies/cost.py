@@ -153,14 +153,24 @@ def expected_costs(
 
 
 def _cold_placement_costs(
-    model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float
+    model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float,
+    marks: tuple[int, int, float] | None = None, kept: list[ReplicaView] | None = None,
 ) -> list[float]:
     """`expected_costs(..., placement=True)` of a session nobody homes yet (`home` None) whose
-    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms."""
+    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms. With
+    `marks` (running+queued, queued, token_usage high-water marks) a replica above any of them
+    is skipped and the others are appended to `kept`: the filter and the costs in one pass."""
     key, kv_demand_s, p = model.key, model.kv_demand_s, model.params
+    running, queue, usage = marks if marks is not None else (0, 0, 0.0)
+    keep = kept.append if kept is not None else None
     out: list[float] = []
     append = out.append
     for replica in replicas:
+        if marks is not None:
+            if (replica.load >= running or (replica.num_queue_reqs or 0) > queue
+                    or (replica.token_usage or 0.0) > usage):
+                continue
+            keep(replica)  # type: ignore[misc]
         terms = replica.cost_terms
         if terms is None or terms[0] is not key:
             terms = _view_terms(model, replica)
@@ -176,6 +186,21 @@ def _cold_placement_costs(
             cost += p.capacity_weight * prefill_s(p, int(excess), 0)
         append(cost)
     return out
+
+
+def cold_placement_costs_under(
+    p: CostParams, replicas: Iterable[ReplicaView], request: RequestSummary,
+    marks: tuple[int, int, float],
+) -> tuple[list[ReplicaView], list[float]] | None:
+    """The replicas under the high-water `marks` (running+queued >= marks[0], queued > marks[1]
+    or token_usage > marks[2] is above) and their `expected_costs(placement=True)` with no home,
+    in one pass; None unless the request's prompt is held nowhere (the other cases cost apart)."""
+    if request.cached_tokens or request.host_cached_tokens:
+        return None
+    kept: list[ReplicaView] = []
+    costs = _cold_placement_costs(_model(p), replicas, request.prompt_tokens,
+                                  prefill_s(p, request.prompt_tokens, 0), marks, kept)
+    return kept, costs
 
 
 @dataclass(frozen=True, slots=True)

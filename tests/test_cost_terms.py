@@ -14,7 +14,7 @@ from kvrouter.metrics.plain_counter import PlainCounter
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
-from kvrouter.policies.steps import NearTiePowerOfTwo, _two_of
+from kvrouter.policies.steps import ExpectedCost, HighWater, NearTiePowerOfTwo, _two_of
 
 
 def plain_cost(p: CostParams, replica: ReplicaView, request: RequestSummary, home: str | None,
@@ -88,6 +88,24 @@ def test_costs_from_kept_terms_are_the_plain_model_bit_for_bit() -> None:
             views[at] = dataclasses.replace(views[at], in_flight=rng.randrange(60),
                                             homed_sessions=rng.randrange(6))
             assert views[at].cost_terms is None
+
+
+def test_filtering_and_costing_in_one_pass_is_the_filter_then_the_costs() -> None:
+    # A placement filters its candidates by the high-water marks and costs the rest; for a
+    # prompt nobody holds both happen in one pass, which must keep and cost the same replicas.
+    rng = random.Random(11)
+    marks = HighWater(40, 2, 0.92)
+    for p in (CostParams(), CostParams(session_s=0.5, capacity_target=0.8)):
+        for placement in (True, False):
+            score = ExpectedCost(p, placement=placement)
+            for _ in range(100):
+                views = random_views(rng, rng.randrange(0, 20))
+                held = {f"r{i}": rng.randrange(1, 250_000) for i in range(0, len(views), 4)}
+                request = RequestSummary("/x", prompt_tokens=rng.randrange(0, 300_000),
+                                         cached_tokens=held if rng.random() < 0.3 else {})
+                usable = marks(views)
+                expected = [plain_cost(p, v, request, None, placement) for v in usable]
+                assert score.under(views, request, marks) == (usable, expected)
 
 
 def test_kept_terms_are_not_part_of_the_view() -> None:
