@@ -40,7 +40,7 @@ class ConsistentHash:
         # most recently seen keys: a returning session skips the hash and the search.
         self._starts: OrderedDict[str, int] = OrderedDict()
 
-    MAX_REMEMBERED_KEYS = 65_536  # ~10 MB at most; a session returns within minutes
+    MAX_REMEMBERED_KEYS = 65_536  # ~15 MB at most (with the keys); sessions return within minutes
 
     def _ring(self, snapshot: Snapshot) -> None:
         """Rebuild the ring only when membership changed (the registry's epoch says so)."""

@@ -192,9 +192,10 @@ def cold_placement_costs_under(
     p: CostParams, replicas: Iterable[ReplicaView], request: RequestSummary,
     marks: tuple[int, int, float],
 ) -> tuple[list[ReplicaView], list[float]] | None:
-    """The replicas under the high-water `marks` (running+queued >= marks[0], queued > marks[1]
-    or token_usage > marks[2] is above) and their `expected_costs(placement=True)` with no home,
-    in one pass; None unless the request's prompt is held nowhere (the other cases cost apart)."""
+    """The replicas under the high-water `marks` (a replica whose running+queued reaches
+    marks[0], whose queue exceeds marks[1] or whose token_usage exceeds marks[2] is above) and
+    their `expected_costs(placement=True)` with no home, in one pass; None unless nobody holds
+    any of the request's prompt (the other cases filter, then cost)."""
     if request.cached_tokens or request.host_cached_tokens:
         return None
     kept: list[ReplicaView] = []
