@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from collections import OrderedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,11 +35,12 @@ class ConsistentHash:
         self._members: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
-        # Session key -> its ring position (`bisect` of its hash) on the current ring, for the
-        # most recently seen keys: a returning session skips the hash and the search.
-        self._starts: OrderedDict[str, int] = OrderedDict()
+        # Session key -> its ring position (`bisect` of its hash) on the current ring: a
+        # returning session skips the hash and the search. Bounded: emptied when full (a plain
+        # dict, so a new key costs one insert), and whenever the ring changes.
+        self._starts: dict[str, int] = {}
 
-    MAX_REMEMBERED_KEYS = 65_536  # ~15 MB at most (with the keys); sessions return within minutes
+    MAX_REMEMBERED_KEYS = 65_536  # ~12 MB at most (with the keys); sessions return within minutes
 
     def _ring(self, snapshot: Snapshot) -> None:
         """Rebuild the ring only when membership changed (the registry's epoch says so)."""
@@ -63,7 +63,9 @@ class ConsistentHash:
         self._ring(snapshot)
         session_key = request.session_key
         if session_key is not None:
-            start = self._session_start(session_key)
+            start = self._starts.get(session_key)
+            if start is None:
+                start = self._remember(session_key)
         elif request.prefix_blocks:
             start = bisect.bisect(self._points, request.prefix_blocks[0] & 0xFFFFFFFFFFFFFFFF)
         else:
@@ -76,16 +78,10 @@ class ConsistentHash:
                 return Decision(owner, "hash" if step == 0 else "hash_next")
         return None
 
-    def _session_start(self, session_key: str) -> int:
-        """The ring position of hash(session_key): remembered for recent keys (bounded, least
-        recently seen dropped first), since a session's requests keep coming back to it."""
-        starts = self._starts
-        start = starts.get(session_key)
-        if start is not None:
-            starts.move_to_end(session_key)
-            return start
+    def _remember(self, session_key: str) -> int:
+        """The ring position of hash(session_key), remembered for the session's next requests."""
         start = bisect.bisect(self._points, _h(session_key))
-        if len(starts) >= self.MAX_REMEMBERED_KEYS:
-            starts.popitem(last=False)
-        starts[session_key] = start
+        if len(self._starts) >= self.MAX_REMEMBERED_KEYS:
+            self._starts.clear()  # rarely: the live sessions are hashed again once
+        self._starts[session_key] = start
         return start
