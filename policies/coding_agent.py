@@ -164,17 +164,19 @@ class CodingAgent:
             pool = self.candidates(snapshot, request, rng)
         if not pool:
             return None
+        # Filtered and costed once, for the empty-replica rule and the choice alike.
+        usable, costs = self.placement_cost.under(pool, request, self.high_water)
         if reason == "new_session" and keyed:
-            empty = self._empty_replica(pool, request, rng)
+            empty = self._empty_replica(usable, costs, rng)
             if empty is not None:
                 return Decision(empty.id, "empty_replica", home=empty.id)
         # A retry after the home just failed this request keeps the home; others (re)assign it.
         sets_home = keyed and reason != "retry"
-        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost)
+        choice, reason = self._choose(pool, request, rng, reason, self.placement_cost, usable, costs)
         return Decision(choice.id, reason, home=choice.id if sets_home else None)
 
     def _empty_replica(
-        self, pool: list[ReplicaView], request: RequestSummary, rng: random.Random
+        self, usable: list[ReplicaView], costs: list[float], rng: random.Random
     ) -> ReplicaView | None:
         """The cheapest usable replica that is no session's home, if the cheapest candidate is
         already home to `empty_replica_min_homed` sessions and the empty one costs at most
@@ -182,11 +184,9 @@ class CodingAgent:
         sessions: the replica holding the shared system prompt would otherwise collect them
         all (live, at 1.5 characters per token, the first four of four)."""
         p = self.params
-        usable = self.high_water(pool)
         empty = [r for r in usable if r.homed_sessions == 0]
         if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
             return None
-        costs = self.placement_cost(usable, request)
         cheapest = min(range(len(costs)), key=costs.__getitem__)
         if usable[cheapest].homed_sessions < p.empty_replica_min_homed:
             return None
@@ -202,13 +202,19 @@ class CodingAgent:
         rng: random.Random,
         reason: str,
         score: ExpectedCost,
+        usable: list[ReplicaView] | None = None,
+        costs: list[float] | None = None,
     ) -> tuple[ReplicaView, str]:
-        """filter -> score -> pick; when every candidate is over a high-water mark the cheapest of
-        them still takes it (`fallback`)."""
-        usable = self.high_water(pool)
+        """filter -> score -> pick (`usable`: `pool` already filtered, `costs` their scores);
+        when every candidate is over a high-water mark the cheapest of them still takes it
+        (`fallback`)."""
+        if usable is None:
+            usable = self.high_water(pool)
         if not usable:
-            usable, reason = pool, "fallback"
-        return self.pick(usable, score(usable, request), rng), reason
+            usable, reason, costs = pool, "fallback", None
+        if costs is None:
+            costs = score(usable, request)
+        return self.pick(usable, costs, rng), reason
 
     def _sibling_wait(self, session: SessionView | None, request: RequestSummary) -> float:
         """Requests of the same session already at home are prefilled first: each costs about

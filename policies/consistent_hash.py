@@ -35,6 +35,12 @@ class ConsistentHash:
         self._members: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
+        # Session key -> its ring position (`bisect` of its hash) on the current ring: a
+        # returning session skips the hash and the search. Bounded: emptied when full (a plain
+        # dict, so a new key costs one insert), and whenever the ring changes.
+        self._starts: dict[str, int] = {}
+
+    MAX_REMEMBERED_KEYS = 65_536  # ~12 MB at most (with the keys); sessions return within minutes
 
     def _ring(self, snapshot: Snapshot) -> None:
         """Rebuild the ring only when membership changed (the registry's epoch says so)."""
@@ -48,23 +54,34 @@ class ConsistentHash:
         self._members = members
         self._points = [p for p, _ in ring]
         self._owners = [m for _, m in ring]
+        self._starts.clear()  # positions on the old ring
 
     def decide(
         self, snapshot: Snapshot, request: RequestSummary, rng: random.Random
     ) -> Decision | None:
         # The ring holds every known replica, so a replica's health never remaps other sessions.
         self._ring(snapshot)
-        if request.session_key is not None:
-            key = _h(request.session_key)
+        session_key = request.session_key
+        if session_key is not None:
+            start = self._starts.get(session_key)
+            if start is None:
+                start = self._remember(session_key)
         elif request.prefix_blocks:
-            key = request.prefix_blocks[0] & 0xFFFFFFFFFFFFFFFF
+            start = bisect.bisect(self._points, request.prefix_blocks[0] & 0xFFFFFFFFFFFFFFFF)
         else:
             candidates = snapshot.candidate_views(request)
             return Decision(rng.choice(candidates).id, "no_key") if candidates else None
-        start = bisect.bisect(self._points, key)
         n = len(self._owners)
         for step in range(n):
             owner = self._owners[(start + step) % n]
             if snapshot.usable(owner, request) is not None:
                 return Decision(owner, "hash" if step == 0 else "hash_next")
         return None
+
+    def _remember(self, session_key: str) -> int:
+        """The ring position of hash(session_key), remembered for the session's next requests."""
+        start = bisect.bisect(self._points, _h(session_key))
+        if len(self._starts) >= self.MAX_REMEMBERED_KEYS:
+            self._starts.clear()  # rarely: the live sessions are hashed again once
+        self._starts[session_key] = start
+        return start

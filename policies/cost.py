@@ -60,8 +60,36 @@ def expected_cost(
     homed there) the cost also counts the KV demand and sessions already homed there and the
     capacity penalty; without it (one overflow request, the home unchanged) only the wait and
     the prefill count."""
+    if not placement:  # one request's wait and prefill: no home term, no list
+        return request_cost(p, replica, request)
     return expected_costs(p, (replica,), request, home=replica.id if is_home else None,
                           placement=placement)[0]
+
+
+def request_cost(p: CostParams, replica: ReplicaView, request: RequestSummary) -> float:
+    """`expected_cost(p, replica, request, placement=False)`, the per-request cost alone (what a
+    prediction asks of each pick): the same terms added in the same order as `expected_costs`,
+    so the same float, without its loop and list for one replica."""
+    model = _model(p)
+    terms = replica.cost_terms
+    if terms is None or terms[0] is not model.key:
+        terms = _view_terms(model, replica)
+    prompt = request.prompt_tokens
+    cached_on, host_on = request.cached_tokens, request.host_cached_tokens
+    cached = cached_on.get(replica.id, 0) if cached_on else 0
+    on_host = host_on.get(replica.id, 0) if host_on else 0
+    if cached or on_host:
+        cached = min(cached, prompt)
+        on_host = min(on_host, prompt - cached)
+        uncached = prompt - cached - on_host
+        cost = prefill_s(p, uncached, cached + on_host) + on_host * p.load_back_s_per_token
+    else:
+        cost = prefill_s(p, prompt, 0)
+    cost += terms[1]  # queueing
+    pressure = terms[2]
+    if pressure:
+        cost += pressure
+    return cost
 
 
 def expected_costs(
@@ -86,6 +114,10 @@ def expected_costs(
     cached_on, host_on = request.cached_tokens, request.host_cached_tokens
     cold_prefill = prefill_s(p, prompt, 0)  # most candidates hold nothing of the prompt
     held = bool(cached_on) or bool(host_on)  # a new prompt: nobody holds any of it
+    if placement and not held and home is None:
+        # Most placements: a new session's prompt nobody holds. The loop below for that case
+        # alone (the same terms in the same order), without the branches it never takes.
+        return _cold_placement_costs(model, replicas, prompt, cold_prefill)
     out: list[float] = []
     append = out.append
     for replica in replicas:
@@ -118,6 +150,58 @@ def expected_costs(
                 cost += p.capacity_weight * prefill_s(p, int(excess), 0)
         append(cost)
     return out
+
+
+def _cold_placement_costs(
+    model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float,
+    marks: tuple[int, int, float] | None = None, kept: list[ReplicaView] | None = None,
+) -> list[float]:
+    """`expected_costs(..., placement=True)` of a session nobody homes yet (`home` None) whose
+    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms. With
+    `marks` (running+queued, queued, token_usage high-water marks) a replica above any of them
+    is skipped and the others are appended to `kept`: the filter and the costs in one pass."""
+    key, kv_demand_s, p = model.key, model.kv_demand_s, model.params
+    running, queue, usage = marks if marks is not None else (0, 0, 0.0)
+    keep = kept.append if kept is not None else None
+    out: list[float] = []
+    append = out.append
+    for replica in replicas:
+        if marks is not None:
+            if (replica.load >= running or (replica.num_queue_reqs or 0) > queue
+                    or (replica.token_usage or 0.0) > usage):
+                continue
+            keep(replica)  # type: ignore[misc]
+        terms = replica.cost_terms
+        if terms is None or terms[0] is not key:
+            terms = _view_terms(model, replica)
+        _, queueing, pressure, capacity, sessions_new, _, evict_from, homed = terms
+        cost = cold_prefill + queueing
+        if pressure:
+            cost += pressure
+        demand = homed + prompt
+        cost += kv_demand_s * demand / capacity
+        cost += sessions_new
+        excess = demand - evict_from
+        if excess >= 1:
+            cost += p.capacity_weight * prefill_s(p, int(excess), 0)
+        append(cost)
+    return out
+
+
+def cold_placement_costs_under(
+    p: CostParams, replicas: Iterable[ReplicaView], request: RequestSummary,
+    marks: tuple[int, int, float],
+) -> tuple[list[ReplicaView], list[float]] | None:
+    """The replicas under the high-water `marks` (a replica whose running+queued reaches
+    marks[0], whose queue exceeds marks[1] or whose token_usage exceeds marks[2] is above) and
+    their `expected_costs(placement=True)` with no home, in one pass; None unless nobody holds
+    any of the request's prompt (the other cases filter, then cost)."""
+    if request.cached_tokens or request.host_cached_tokens:
+        return None
+    kept: list[ReplicaView] = []
+    costs = _cold_placement_costs(_model(p), replicas, request.prompt_tokens,
+                                  prefill_s(p, request.prompt_tokens, 0), marks, kept)
+    return kept, costs
 
 
 @dataclass(frozen=True, slots=True)

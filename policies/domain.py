@@ -228,6 +228,19 @@ class Snapshot:
         replicas, exclude = self.replicas, request.exclude
         if type(rng) is random.Random:
             getrandbits, bits = rng.getrandbits, n.bit_length()
+            if not chosen and not exclude and self.healthy_count == n:
+                # Every replica usable (the registry counts the healthy ones), none named first:
+                # only repeats to skip, by index, without reading a view until the end.
+                taken: dict[int, None] = {}
+                for _ in range(4 * k):
+                    at = getrandbits(bits)
+                    while at >= n:
+                        at = getrandbits(bits)
+                    if at not in taken:
+                        taken[at] = None
+                        if len(taken) >= k:
+                            break
+                return [replicas[at] for at in taken]
             for _ in range(4 * k):
                 if len(chosen) >= k:
                     break

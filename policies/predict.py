@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import CostParams, expected_cost
+from .cost import CostParams, request_cost
 from .domain import RequestSummary, Snapshot
 
 DEFAULT_COST = CostParams()
@@ -27,5 +27,5 @@ def predict(snapshot: Snapshot, request: RequestSummary, replica: str,
             params: CostParams = DEFAULT_COST) -> Prediction:
     cached = min(request.prompt_tokens, request.cached_tokens.get(replica, 0)) if request.cached_tokens else 0
     view = snapshot.get(replica)
-    ttft = expected_cost(params, view, request, placement=False) if view is not None else None
+    ttft = request_cost(params, view, request) if view is not None else None  # = expected_cost(placement=False)
     return Prediction(replica, cached, ttft)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .domain import ReplicaView, RequestSummary, Snapshot
-from .cost import CostParams, expected_costs
+from .cost import CostParams, cold_placement_costs_under, expected_costs
 
 
 # -- candidates ----------------------------------------------------------------------------------
@@ -94,6 +94,19 @@ class ExpectedCost:
 
     def __call__(self, candidates: Sequence[ReplicaView], request: RequestSummary) -> list[float]:
         return expected_costs(self.params, candidates, request, placement=self.placement)
+
+    def under(
+        self, candidates: Sequence[ReplicaView], request: RequestSummary, marks: "HighWater"
+    ) -> tuple[list[ReplicaView], list[float]]:
+        """`marks(candidates)` and their scores; for a placement of a prompt nobody holds (most
+        new sessions) in one pass over the candidates."""
+        if self.placement:
+            found = cold_placement_costs_under(
+                self.params, candidates, request, (marks.max_running, marks.max_queue, marks.max_token_usage))
+            if found is not None:
+                return found
+        usable = marks(candidates)
+        return usable, self(usable, request)
 
 
 # -- picker --------------------------------------------------------------------------------------

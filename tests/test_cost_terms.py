@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvrouter.metrics.plain_counter import PlainCounter
 from kvrouter.metrics.router_metrics import RouterMetrics
-from kvrouter.policies.cost import CostParams, expected_costs, prefill_s
+from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
-from kvrouter.policies.steps import NearTiePowerOfTwo, _two_of
+from kvrouter.policies.steps import ExpectedCost, HighWater, NearTiePowerOfTwo, _two_of
 
 
 def plain_cost(p: CostParams, replica: ReplicaView, request: RequestSummary, home: str | None,
@@ -67,19 +67,45 @@ def test_costs_from_kept_terms_are_the_plain_model_bit_for_bit() -> None:
               CostParams()]
     views = random_views(rng, 12)
     for _ in range(200):
-        request = RequestSummary("/v1/chat/completions", prompt_tokens=rng.randrange(1, 200_000),
-                                 cached_tokens={f"r{i}": rng.randrange(250_000) for i in range(0, 12, 3)},
-                                 host_cached_tokens={"r1": rng.randrange(250_000)})
+        if rng.random() < 0.4:  # a new prompt nobody holds: the cold placement loop
+            request = RequestSummary("/v1/chat/completions", prompt_tokens=rng.randrange(1, 200_000))
+        else:
+            request = RequestSummary("/v1/chat/completions", prompt_tokens=rng.randrange(1, 200_000),
+                                     cached_tokens={f"r{i}": rng.randrange(250_000) for i in range(0, 12, 3)},
+                                     host_cached_tokens={"r1": rng.randrange(250_000)})
         p = rng.choice(models)
         home = rng.choice(["r2", None, "gone"])
         for placement in (True, False):
             expected = [plain_cost(p, v, request, home, placement) for v in views]
             assert expected_costs(p, views, request, home=home, placement=placement) == expected
+            assert [expected_cost(p, v, request, is_home=v.id == home, placement=placement)
+                    for v in views] == expected
+        # One request's cost alone (what a prediction asks): the per-request terms, no home.
+        assert [request_cost(p, v, request) for v in views] == [
+            plain_cost(p, v, request, None, False) for v in views]
         if rng.random() < 0.3:  # a replica changes: its new view starts without terms
             at = rng.randrange(len(views))
             views[at] = dataclasses.replace(views[at], in_flight=rng.randrange(60),
                                             homed_sessions=rng.randrange(6))
             assert views[at].cost_terms is None
+
+
+def test_filtering_and_costing_in_one_pass_is_the_filter_then_the_costs() -> None:
+    # A placement filters its candidates by the high-water marks and costs the rest; for a
+    # prompt nobody holds both happen in one pass, which must keep and cost the same replicas.
+    rng = random.Random(11)
+    marks = HighWater(40, 2, 0.92)
+    for p in (CostParams(), CostParams(session_s=0.5, capacity_target=0.8)):
+        for placement in (True, False):
+            score = ExpectedCost(p, placement=placement)
+            for _ in range(100):
+                views = random_views(rng, rng.randrange(0, 20))
+                held = {f"r{i}": rng.randrange(1, 250_000) for i in range(0, len(views), 4)}
+                request = RequestSummary("/x", prompt_tokens=rng.randrange(0, 300_000),
+                                         cached_tokens=held if rng.random() < 0.3 else {})
+                usable = marks(views)
+                expected = [plain_cost(p, v, request, None, placement) for v in usable]
+                assert score.under(views, request, marks) == (usable, expected)
 
 
 def test_kept_terms_are_not_part_of_the_view() -> None:
@@ -134,6 +160,28 @@ def test_fleet_sample_draws_what_choice_draws(rng_type) -> None:
                 chosen.setdefault(view.id, view)
         assert snapshot.sample(request, 16, ours) == list(chosen.values())
         assert ours.random() == theirs.random()
+
+
+@pytest.mark.parametrize("rng_type", [random.Random, CountingRandom])
+@pytest.mark.parametrize("n", [65, 100, 150, 1000])
+def test_sampling_an_all_healthy_fleet_draws_what_choice_draws(rng_type, n: int) -> None:
+    # The registry's snapshot counts its healthy replicas: with all of them healthy and nothing
+    # excluded, the sample skips only repeats (by index), and must draw the same replicas.
+    views = tuple(ReplicaView(f"r{i}") for i in range(n))
+    snapshot = Snapshot(views, healthy_count=n, healthy_load=0)
+    for seed in range(50):
+        k = 2 + seed % 20
+        ours, theirs = rng_type(seed), random.Random(seed)
+        chosen: dict[str, ReplicaView] = {}
+        for _ in range(4 * k):
+            if len(chosen) >= k:
+                break
+            view = theirs.choice(views)
+            chosen.setdefault(view.id, view)
+        expected = list(chosen.values()) if n > 4 * k else list(views)
+        assert snapshot.sample(RequestSummary("/x"), k, ours) == expected
+        if n > 4 * k:
+            assert ours.random() == theirs.random()
 
 
 def test_plain_counter_exposes_what_a_prometheus_counter_does() -> None:

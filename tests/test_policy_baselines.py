@@ -38,6 +38,24 @@ def test_consistent_hash_skips_unhealthy_without_remapping_others():
     assert "r2" not in after.values()
 
 
+def test_consistent_hash_remembers_ring_positions_without_changing_a_pick():
+    # A returning session's ring position is remembered (bounded: forgotten when full, and when
+    # the ring changes): every pick is the one a policy that hashes every key afresh makes,
+    # across a scale-out and back.
+    remembering, afresh = build_policy("consistent-hash"), build_policy("consistent-hash")
+    remembering.MAX_REMEMBERED_KEYS = 50
+    rng = random.Random(4)
+    keys = [f"session-{i}" for i in range(120)]
+    for fleet in (10, 11, 10):
+        for _ in range(600):
+            request = RequestSummary("/x", session_key=rng.choice(keys))
+            afresh._starts.clear()  # hashes and searches every key
+            expected = afresh.decide(snap(fleet), request, rng).replica
+            assert remembering.decide(snap(fleet), request, rng).replica == expected
+            assert len(remembering._starts) <= 50
+    assert request.session_key in remembering._starts  # the last key asked is remembered
+
+
 def test_least_load_picks_minimum():
     policy = build_policy("least-load")
     s = snap(3, r0=ReplicaView("r0", in_flight=2), r1=ReplicaView("r1", num_running_reqs=1),
