@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from .plain_counter import PlainCounter
 
@@ -17,6 +18,24 @@ from .plain_counter import PlainCounter
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
 PREDICTION_ERROR_BUCKETS = (-1, -0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400, 1000)
+# Observations queued by `observe` past this many are applied at once (bounds the memory between
+# scrapes; each is applied exactly as if observed on the spot).
+_MAX_PENDING_OBSERVATIONS = 4096
+
+
+class _ApplyPending(Collector):
+    """Registered first: any collection of the registry (a scrape, `get_sample_value`) applies
+    the request path's queued counts and observations before the metrics are read."""
+
+    def __init__(self, apply: Any) -> None:
+        self._apply = apply
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        self._apply()
+        return []
 
 
 class RouterMetrics:
@@ -26,7 +45,10 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._children_of: dict[str, list[tuple[Any, tuple[str, ...]]]] = {}  # replica -> its children
+        self._pending_counts: dict[tuple[Any, tuple[str, ...]], float] = {}
+        self._pending_observations: list[tuple[Any, tuple[str, ...], float]] = []
         r = self.registry
+        r.register(_ApplyPending(self.flush))
         self.requests = Counter(
             "kvrouter_requests_total",
             "Client requests finished, by route and HTTP status sent to the client.",
@@ -312,9 +334,37 @@ class RouterMetrics:
                 self._children_of.setdefault(values[0], []).append((metric, values))
         return found
 
+    # -- request-path counts and observations, applied when the registry is collected ---------
+    # A prometheus_client `inc` or `observe` validates, takes a lock and (a histogram) searches
+    # its buckets in Python: several microseconds each, several times per request. The request
+    # path queues them here instead (a dict add, a list append); `flush` applies them, in order,
+    # before any collection reads the registry, so a scrape sees exactly the same values.
+    def count(self, metric: Any, values: tuple[str, ...] = (), amount: float = 1.0) -> None:
+        """`metric.labels(*values).inc(amount)` (`metric.inc(amount)` without labels), queued."""
+        key = (metric, values)
+        pending = self._pending_counts
+        pending[key] = pending.get(key, 0.0) + amount
+
+    def observe(self, metric: Any, values: tuple[str, ...], amount: float) -> None:
+        """`metric.labels(*values).observe(amount)`, queued."""
+        pending = self._pending_observations
+        pending.append((metric, values, amount))
+        if len(pending) >= _MAX_PENDING_OBSERVATIONS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the queued counts and observations to their metrics."""
+        counts, self._pending_counts = self._pending_counts, {}
+        for (metric, values), amount in counts.items():
+            (self.child(metric, *values) if values else metric).inc(amount)
+        observations, self._pending_observations = self._pending_observations, []
+        for metric, values, amount in observations:
+            self.child(metric, *values).observe(amount)
+
     def forget_children(self, replica: str) -> None:
         """Drop the series of `replica` created through `child` (the request path's): cheap,
         for a request that ends after its replica left and may have recreated some."""
+        self.flush()  # what was counted before it left is dropped with its series, as it was
         for metric, values in self._children_of.pop(replica, ()):
             self._children.pop((id(metric), values), None)
             try:

@@ -297,10 +297,10 @@ class Placement:
         m = self.engine.metrics
         counted, self._counted = self._counted, True
         if m is not None and summary.prompt_tokens and not counted:
-            m.prompt_tokens.inc(summary.prompt_tokens)
+            m.count(m.prompt_tokens, (), summary.prompt_tokens)
             cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
             if cached:
-                m.est_cached_tokens.inc(cached)
+                m.count(m.est_cached_tokens, (), cached)
 
     def reported(self, usage: UsageReport | str, prompt_bytes: int = 0) -> None:
         """The replica's usage for this request (router/usage.py), or why there is none: the

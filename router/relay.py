@@ -348,7 +348,7 @@ class Relay:
 
     def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
         ttfb = self.clock() - sent
-        self.metrics.child(self.metrics.upstream_ttfb, url).observe(ttfb)
+        self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
         attempt.first_byte(ttfb, streamed)
 
     @staticmethod
