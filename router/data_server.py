@@ -29,7 +29,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_http import Answer, Request, StreamResponse
+from .data_http import Answer, Request, StreamResponse, WholeResponse
 from .errors import error_response
 
 log = logging.getLogger("kvrouter")
@@ -255,10 +255,10 @@ class _Connection(asyncio.Protocol):
             self._write_whole(request, response)
         self._finished(request)
 
-    def _write_whole(self, request: Request, response: web.StreamResponse) -> None:
+    def _write_whole(self, request: Request, response: web.StreamResponse | WholeResponse) -> None:
         if self.closing:
             return
-        body = response.body if isinstance(response, web.Response) else None
+        body = response.body if isinstance(response, (WholeResponse, web.Response)) else None
         if not isinstance(body, (bytes, bytearray)):
             body = b""
         keep = self.keeps_alive(request, response.headers) and response.keep_alive is not False
