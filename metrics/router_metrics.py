@@ -5,6 +5,7 @@ Each Router owns its registry (no globals), so several routers can live in one p
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,11 +19,6 @@ from .plain_counter import PlainCounter
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
 PREDICTION_ERROR_BUCKETS = (-1, -0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400, 1000)
-# Observations queued by `observe` past this many are applied at once (bounds the memory between
-# scrapes; each is applied exactly as if observed on the spot).
-_MAX_PENDING_OBSERVATIONS = 4096
-
-
 class _ApplyPending(Collector):
     """Registered first: any collection of the registry (a scrape, `get_sample_value`) applies
     the request path's queued counts and observations before the metrics are read."""
@@ -46,7 +42,8 @@ class RouterMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._children_of: dict[str, list[tuple[Any, tuple[str, ...]]]] = {}  # replica -> its children
         self._pending_counts: dict[tuple[Any, tuple[str, ...]], float] = {}
-        self._pending_observations: list[tuple[Any, tuple[str, ...], float]] = []
+        # (histogram, label values) -> [sum, count in bucket 0, count in bucket 1, ...]
+        self._pending_histograms: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
         r = self.registry
         r.register(_ApplyPending(self.flush))
         self.requests = Counter(
@@ -335,31 +332,42 @@ class RouterMetrics:
         return found
 
     # -- request-path counts and observations, applied when the registry is collected ---------
-    # A prometheus_client `inc` or `observe` validates, takes a lock and (a histogram) searches
-    # its buckets in Python: several microseconds each, several times per request. The request
-    # path queues them here instead (a dict add, a list append); `flush` applies them, in order,
-    # before any collection reads the registry, so a scrape sees exactly the same values.
+    # A prometheus_client `inc` or `observe` validates, takes a lock and (a histogram) scans its
+    # buckets in Python: several microseconds each, several times per request. The request path
+    # adds to plain numbers here instead (a histogram's bucket found by a C bisect); `flush`
+    # adds them to the metrics before any collection reads the registry, so every scrape sees
+    # exactly the values immediate updates would have given.
     def count(self, metric: Any, values: tuple[str, ...] = (), amount: float = 1.0) -> None:
-        """`metric.labels(*values).inc(amount)` (`metric.inc(amount)` without labels), queued."""
+        """`metric.labels(*values).inc(amount)` (`metric.inc(amount)` without labels), deferred.
+        For counters, and gauges (a negative amount decrements)."""
         key = (metric, values)
         pending = self._pending_counts
         pending[key] = pending.get(key, 0.0) + amount
 
     def observe(self, metric: Any, values: tuple[str, ...], amount: float) -> None:
-        """`metric.labels(*values).observe(amount)`, queued."""
-        pending = self._pending_observations
-        pending.append((metric, values, amount))
-        if len(pending) >= _MAX_PENDING_OBSERVATIONS:
-            self.flush()
+        """`metric.labels(*values).observe(amount)` for a Histogram, deferred."""
+        key = (metric, values)
+        totals = self._pending_histograms.get(key)
+        bounds = metric._upper_bounds  # ascending, ending in +Inf, as the histogram's own
+        if totals is None:
+            totals = self._pending_histograms[key] = [0.0] * (len(bounds) + 1)
+        totals[0] += amount
+        at = bisect_left(bounds, amount)  # the first bound >= amount: observe()'s bucket
+        if at < len(bounds) and amount <= bounds[at]:  # (NaN lands in none, as there)
+            totals[at + 1] += 1
 
     def flush(self) -> None:
-        """Apply the queued counts and observations to their metrics."""
+        """Add the deferred counts and observations to their metrics."""
         counts, self._pending_counts = self._pending_counts, {}
         for (metric, values), amount in counts.items():
             (self.child(metric, *values) if values else metric).inc(amount)
-        observations, self._pending_observations = self._pending_observations, []
-        for metric, values, amount in observations:
-            self.child(metric, *values).observe(amount)
+        histograms, self._pending_histograms = self._pending_histograms, {}
+        for (metric, values), totals in histograms.items():
+            child = self.child(metric, *values)
+            child._sum.inc(totals[0])
+            for bucket, n in zip(child._buckets, totals[1:]):
+                if n:
+                    bucket.inc(n)
 
     def forget_children(self, replica: str) -> None:
         """Drop the series of `replica` created through `child` (the request path's): cheap,

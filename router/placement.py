@@ -151,7 +151,7 @@ class Placement:
             ranks.dispatched(url, self.rank)
         m = self.engine.metrics
         if m is not None:
-            m.child(m.in_flight, url).inc()
+            m.count(m.in_flight, (url,), 1)
         self._held = True
 
     def _release(self, url: str, served: bool = True) -> None:
@@ -161,7 +161,7 @@ class Placement:
             if self.engine.ranks is not None and self.rank is not None:
                 self.engine.ranks.completed(url, self.rank)
             if m is not None:
-                m.child(m.in_flight, url).dec()
+                m.count(m.in_flight, (url,), -1)
         elif m is not None and url not in registry:  # removed while this request ran: drop
             m.forget_children(url)  # the series it recreated since
         # else removed and added back: the slot was on the old registration, gone with it

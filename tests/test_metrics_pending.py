@@ -32,9 +32,22 @@ def test_a_forgotten_replica_leaves_no_queued_series() -> None:
     assert b'kvrouter_upstream_ttfb_seconds_count{replica="http://kept:1"} 1.0' in text
 
 
-def test_observations_are_applied_before_the_queue_grows_unbounded() -> None:
+def test_deferred_observations_fill_the_buckets_observe_would() -> None:
+    deferred, immediate = RouterMetrics(), RouterMetrics()
+    values = [0.0, 0.005, 0.01, 0.0100001, 0.05, 0.3, 1.0, 999.0, 1000.0, 5000.0, -1.0, float("inf")]
+    for v in values:
+        deferred.observe(deferred.duration, ("/generate",), v)
+        immediate.duration.labels("/generate").observe(v)
+    def samples(m: RouterMetrics) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for family in m.registry.collect()
+                if family.name == "kvrouter_request_duration_seconds"
+                for s in family.samples if not s.name.endswith("_created")]
+    assert samples(deferred) == samples(immediate) and len(samples(deferred)) == 18
+
+
+def test_deferred_gauge_moves_both_ways() -> None:
     m = RouterMetrics()
-    for _ in range(10_000):
-        m.observe(m.duration, ("/generate",), 0.5)
-    assert len(m._pending_observations) < 5000
-    assert m.registry.get_sample_value("kvrouter_request_duration_seconds_count", {"route": "/generate"}) == 10_000
+    m.count(m.in_flight, ("http://a:1",), 1)
+    m.count(m.in_flight, ("http://a:1",), 1)
+    m.count(m.in_flight, ("http://a:1",), -1)
+    assert m.registry.get_sample_value("kvrouter_replica_in_flight_requests", {"replica": "http://a:1"}) == 1
