@@ -72,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self._serving: Request | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # loop time the connection became idle
         self._reading_paused = False
 
     # -- transport events -----------------------------------------------------------------------
@@ -155,12 +156,14 @@ class _Connection(asyncio.Protocol):
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
         key = name.decode("latin-1")
-        if key.lower() in _SINGLETONS:
-            if self._singletons is None:
-                self._singletons = set()
-            if key.lower() in self._singletons:  # which one counts is ambiguous: refused
+        lower = key.lower()
+        if lower in _SINGLETONS:
+            seen = self._singletons
+            if seen is None:
+                seen = self._singletons = set()
+            elif lower in seen:  # which one counts is ambiguous: refused
                 raise _Malformed(400, f"duplicate {key} header")
-            self._singletons.add(key.lower())
+            seen.add(lower)
         self._raw_headers.append((key, value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
@@ -214,7 +217,7 @@ class _Connection(asyncio.Protocol):
 
     # -- serving -----------------------------------------------------------------------------------
     def _serve(self, request: Request) -> None:
-        self._cancel_timer()
+        self._idle_since = None  # a request is being served: the idle timer lets it be
         self._serving = request
         expect = request.expect
         if expect is not None:
@@ -315,11 +318,27 @@ class _Connection(asyncio.Protocol):
     # -- idle connections --------------------------------------------------------------------------
     def _idle(self) -> None:
         """No request being served: one must arrive (its headers complete) within the header
-        timeout, counted from now, or the connection is closed (bounds slowloris clients)."""
-        self._cancel_timer()
-        self._timer = self.loop.call_later(self.server.header_timeout_s, self._close)
+        timeout, counted from now, or the connection is closed (bounds slowloris clients).
+        One timer outlives the requests of a keep-alive connection: serving one only clears
+        `_idle_since`, and the timer, when it fires, closes or sleeps until the next deadline
+        (no timer made and cancelled per request)."""
+        self._idle_since = now = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(now + self.server.header_timeout_s, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._timer = None
+        since = self._idle_since
+        if since is None:
+            return  # serving: the next `_idle` arms the timer again
+        due = since + self.server.header_timeout_s
+        if self.loop.time() >= due:
+            self._close()
+        else:
+            self._timer = self.loop.call_at(due, self._idle_check)
 
     def _cancel_timer(self) -> None:
+        self._idle_since = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
