@@ -19,6 +19,8 @@ from .plain_counter import PlainCounter
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
 PREDICTION_ERROR_BUCKETS = (-1, -0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400, 1000)
+
+
 class _ApplyPending(Collector):
     """Registered first: any collection of the registry (a scrape, `get_sample_value`) applies
     the request path's queued counts and observations before the metrics are read."""
