@@ -29,7 +29,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_http import Answer, Request, StreamResponse
+from .data_http import Answer, Request, StreamResponse, WholeResponse
 from .errors import error_response
 
 log = logging.getLogger("kvrouter")
@@ -72,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self._serving: Request | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # loop time the connection became idle
         self._reading_paused = False
 
     # -- transport events -----------------------------------------------------------------------
@@ -155,12 +156,14 @@ class _Connection(asyncio.Protocol):
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
         key = name.decode("latin-1")
-        if key.lower() in _SINGLETONS:
-            if self._singletons is None:
-                self._singletons = set()
-            if key.lower() in self._singletons:  # which one counts is ambiguous: refused
+        lower = key.lower()
+        if lower in _SINGLETONS:
+            seen = self._singletons
+            if seen is None:
+                seen = self._singletons = set()
+            elif lower in seen:  # which one counts is ambiguous: refused
                 raise _Malformed(400, f"duplicate {key} header")
-            self._singletons.add(key.lower())
+            seen.add(lower)
         self._raw_headers.append((key, value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
@@ -214,7 +217,7 @@ class _Connection(asyncio.Protocol):
 
     # -- serving -----------------------------------------------------------------------------------
     def _serve(self, request: Request) -> None:
-        self._cancel_timer()
+        self._idle_since = None  # a request is being served: the idle timer lets it be
         self._serving = request
         expect = request.expect
         if expect is not None:
@@ -255,10 +258,10 @@ class _Connection(asyncio.Protocol):
             self._write_whole(request, response)
         self._finished(request)
 
-    def _write_whole(self, request: Request, response: web.StreamResponse) -> None:
+    def _write_whole(self, request: Request, response: web.StreamResponse | WholeResponse) -> None:
         if self.closing:
             return
-        body = response.body if isinstance(response, web.Response) else None
+        body = response.body if isinstance(response, (WholeResponse, web.Response)) else None
         if not isinstance(body, (bytes, bytearray)):
             body = b""
         keep = self.keeps_alive(request, response.headers) and response.keep_alive is not False
@@ -315,11 +318,27 @@ class _Connection(asyncio.Protocol):
     # -- idle connections --------------------------------------------------------------------------
     def _idle(self) -> None:
         """No request being served: one must arrive (its headers complete) within the header
-        timeout, counted from now, or the connection is closed (bounds slowloris clients)."""
-        self._cancel_timer()
-        self._timer = self.loop.call_later(self.server.header_timeout_s, self._close)
+        timeout, counted from now, or the connection is closed (bounds slowloris clients).
+        One timer outlives the requests of a keep-alive connection: serving one only clears
+        `_idle_since`, and the timer, when it fires, closes or sleeps until the next deadline
+        (no timer made and cancelled per request)."""
+        self._idle_since = now = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(now + self.server.header_timeout_s, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._timer = None
+        since = self._idle_since
+        if since is None:
+            return  # serving: the next `_idle` arms the timer again
+        due = since + self.server.header_timeout_s
+        if self.loop.time() >= due:
+            self._close()
+        else:
+            self._timer = self.loop.call_at(due, self._idle_check)
 
     def _cancel_timer(self) -> None:
+        self._idle_since = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -434,14 +453,12 @@ class DataServer:
             self._date = formatdate(usegmt=True).encode()
             self._date_at = now
         reason = reason or _REASONS.get(status, "")
-        lines = [f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")]
-        for name, value in headers.items():
-            if name.lower() not in _FRAMING:
-                lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        if "Date" not in headers:
-            lines.append(b"Date: %b\r\n" % self._date)
-        lines.append(extra)
-        if not keep_alive:
-            lines.append(b"Connection: close\r\n")
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        # Framing fields are the server's: the few present found by a (C, case-insensitive)
+        # key-view intersection, so the common answer, with none, is not filtered in Python.
+        items = headers.items()
+        if headers.keys() & _FRAMING:
+            items = [(n, v) for n, v in items if n.lower() not in _FRAMING]  # type: ignore[assignment]
+        fields = "".join([f"{name}: {value}\r\n" for name, value in items])
+        head = f"HTTP/1.1 {status} {reason}\r\n{fields}".encode("latin-1")
+        return b"".join((head, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
+                         b"" if keep_alive else b"Connection: close\r\n", b"\r\n"))

@@ -199,7 +199,7 @@ class RoutingEngine:
             notes = self.notes(self._snapshot(session), summary, decision)
         if self.metrics is not None:
             m = self.metrics
-            m.child(m.decisions, self.policy.name, decision.reason).inc()
+            m.count(m.decisions, (self.policy.name, decision.reason))
         return Placement(self, summary, session, decision, target=target, retry_of=retry_of, notes=notes)
 
     def route(self, summary: RequestSummary, store: SessionStore, target: str | None = None) -> RequestRoute:

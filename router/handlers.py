@@ -74,12 +74,12 @@ class Handlers:
             status = response.status
             return response
         except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.client_disconnects.inc()
+            self.metrics.count(self.metrics.client_disconnects)
             raise
         finally:
             m = self.metrics
-            m.child(m.requests, route, str(status)).inc()
-            m.child(m.duration, route).observe(self.clock() - started)
+            m.count(m.requests, (route, str(status)))
+            m.observe(m.duration, (route,), self.clock() - started)
 
     async def _inference(
         self, request: Request, route: str, request_id: str

@@ -106,7 +106,7 @@ class UsageLearner:
     # -- write side ----------------------------------------------------------------------------
     def ignored(self, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.child(self.metrics.usage_ignored, reason).inc()
+            self.metrics.count(self.metrics.usage_ignored, (reason,))
 
     def observe(
         self,

@@ -76,6 +76,7 @@ class Membership:
         added = self.engine.add_replica(url, self.clock())
         if added:
             self.metrics.replica_healthy.labels(url).set(1)
+            self.metrics.flush()  # no deferred count of an earlier registration lands after this
             self.metrics.in_flight.labels(url).set(0)
             if self.kv_events is not None:
                 self.kv_events.add(url)

@@ -151,7 +151,7 @@ class Placement:
             ranks.dispatched(url, self.rank)
         m = self.engine.metrics
         if m is not None:
-            m.child(m.in_flight, url).inc()
+            m.count(m.in_flight, (url,), 1)
         self._held = True
 
     def _release(self, url: str, served: bool = True) -> None:
@@ -161,7 +161,7 @@ class Placement:
             if self.engine.ranks is not None and self.rank is not None:
                 self.engine.ranks.completed(url, self.rank)
             if m is not None:
-                m.child(m.in_flight, url).dec()
+                m.count(m.in_flight, (url,), -1)
         elif m is not None and url not in registry:  # removed while this request ran: drop
             m.forget_children(url)  # the series it recreated since
         # else removed and added back: the slot was on the old registration, gone with it
@@ -297,10 +297,10 @@ class Placement:
         m = self.engine.metrics
         counted, self._counted = self._counted, True
         if m is not None and summary.prompt_tokens and not counted:
-            m.prompt_tokens.inc(summary.prompt_tokens)
+            m.count(m.prompt_tokens, (), summary.prompt_tokens)
             cached = min(summary.prompt_tokens, summary.cached_tokens.get(url, 0))
             if cached:
-                m.est_cached_tokens.inc(cached)
+                m.count(m.est_cached_tokens, (), cached)
 
     def reported(self, usage: UsageReport | str, prompt_bytes: int = 0) -> None:
         """The replica's usage for this request (router/usage.py), or why there is none: the

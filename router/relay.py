@@ -27,7 +27,7 @@ from .admission import Ticket
 from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
-from .data_http import Answer, Request, StreamResponse
+from .data_http import Answer, Request, StreamResponse, WholeResponse
 from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
 from .errors import error_response, sse_error_event
@@ -341,14 +341,14 @@ class Relay:
                 self._first_byte(attempt, url, sent, streamed=False)
             if whole:
                 usage.read_body(first)
-                return web.Response(status=upstream.status, body=first, headers=headers)
+                return WholeResponse(upstream.status, first, headers)
             return await self._stream(request, upstream, attempt, headers, sse, sent, usage, first)
         finally:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
     def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
         ttfb = self.clock() - sent
-        self.metrics.child(self.metrics.upstream_ttfb, url).observe(ttfb)
+        self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
         attempt.first_byte(ttfb, streamed)
 
     @staticmethod

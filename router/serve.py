@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -113,6 +114,7 @@ async def serve(
         log.info("admin API on http://%s:%d", config.admin.host, admin_port)
     else:
         log.info("admin API disabled (set %s to enable it)", config.admin.token_env)
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -123,6 +125,15 @@ async def serve(
     if admin_runner is not None:
         await admin_runner.cleanup()
     await graceful_stop(router, runner)
+
+
+def freeze_startup_heap() -> None:
+    """Move what start-up built (modules, config, the app: hundreds of thousands of objects
+    that live as long as the process) out of the cyclic collector's reach. Its collections
+    stop the event loop while they run; without this, every full one rescans that heap
+    (tens of ms, a stall every stream in flight feels)."""
+    gc.collect()
+    gc.freeze()
 
 
 def check_workers(config: RouterConfig, workers: int) -> None:

@@ -329,7 +329,7 @@ class _Connection(asyncio.Protocol):
         if self._informational or self._head is None or self._head.done():
             return
         headers = CIMultiDict(
-            (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self._raw_headers
+            [(n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self._raw_headers]
         )
         self.keep_alive = self.parser.should_keep_alive()
         self._response = UpstreamResponse(self, status, headers)

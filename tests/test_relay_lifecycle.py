@@ -18,6 +18,7 @@ from kvrouter.router.config import UpstreamConfig
 from kvrouter.router.engine import RoutingEngine
 from kvrouter.router.kv_index_shadow import ShadowKVIndex
 from kvrouter.router.placement import Placement
+from kvrouter.router.data_http import WholeResponse
 from kvrouter.router.relay import Relay
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.router.sessions import SessionTable
@@ -65,7 +66,10 @@ async def front(start_app, engine: RoutingEngine, store: CountingStore, **upstre
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         summary = RequestSummary(route="/v1/chat/completions", session_key="s1", prompt_tokens=10)
-        return await relay.forward(request, body, summary, "rid-1")
+        answer = await relay.forward(request, body, summary, "rid-1")
+        if isinstance(answer, WholeResponse):  # the data port's own whole answer: aiohttp's here
+            return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+        return answer
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)

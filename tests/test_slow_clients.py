@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -72,6 +73,32 @@ async def test_idle_connection_without_a_request_is_closed(start_app, start_rout
                                 signals={"source": "health", "interval_s": 60})
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     assert await _closed_by_server(reader, 5)
+    writer.close()
+
+
+@pytest.mark.timeout(30)
+async def test_header_timeout_spares_a_long_request_then_closes_its_idle_connection(start_app, start_router):
+    """The header timeout bounds only the wait for a request: one served for longer than it is
+    answered in full, and the keep-alive connection is closed once idle that long again."""
+    up = FakeUpstream()
+    up.hold_before_headers = asyncio.Event()
+    _, url = await start_router([await start_app(up.app())], server={"client_header_timeout_s": 0.3},
+                                signals={"source": "health", "interval_s": 60})
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    body = orjson.dumps(CHAT)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = asyncio.get_running_loop().time() + 10
+    while not up.requests and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    # Held past three header timeouts (the connection's timer fires meanwhile), then answered.
+    assert not await _closed_by_server(reader, 1.0)
+    up.hold_before_headers.set()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert orjson.loads(await asyncio.wait_for(reader.readexactly(length), 10))["choices"]
+    assert await _closed_by_server(reader, 5)  # idle again: closed after the header timeout
     writer.close()
 
 

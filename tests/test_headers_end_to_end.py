@@ -1,0 +1,21 @@
+"""end_to_end: hop-by-hop and Connection-named fields dropped in any letter case, every other
+field kept with its case, order and repeats, whatever mapping the headers come in."""
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvrouter.router.headers import drop_set, end_to_end
+
+RAW = [("Host", "x"), ("X-Trace", "1"), ("content-LENGTH", "4"), ("Connection", "keep-alive, X-Secret"),
+       ("x-secret", "s"), ("Accept", "a"), ("X-Trace", "2"), ("TE", "trailers"), ("X-Api-Key", "k")]
+KEPT = [("X-Trace", "1"), ("Accept", "a"), ("X-Trace", "2")]
+
+
+def test_multidict_headers() -> None:
+    for headers in (CIMultiDict(RAW), CIMultiDictProxy(CIMultiDict(RAW))):
+        assert list(end_to_end(headers, drop_set(["x-api-KEY"])).items()) == KEPT
+
+
+def test_plain_mapping_headers() -> None:
+    plain = {k: v for k, v in RAW if k not in ("X-Trace", "Connection")}
+    plain |= {"X-Trace": "1", "connection": "close, x-secret"}
+    assert dict(end_to_end(plain, drop_set(["x-api-key"]))) == {"Accept": "a", "X-Trace": "1"}
