@@ -249,13 +249,24 @@ class _Connection(asyncio.Protocol):
             response = error_response(500, "internal router error", "internal_error")
         if self.closing:
             return
-        if isinstance(response, StreamResponse):
-            if response._conn is None:
-                await response.prepare(request)
-            if not response.eof_sent:
-                await response.write_eof()
-        else:
-            self._write_whole(request, response)
+        try:
+            if isinstance(response, StreamResponse):
+                if response._conn is None:
+                    await response.prepare(request)
+                if not response.eof_sent:
+                    await response.write_eof()
+            else:
+                self._write_whole(request, response)
+        except ConnectionResetError:
+            return
+        except Exception:  # an answer that cannot be written: the client still gets an end
+            log.exception("unwritable answer to %s %s", request.method, request.path)
+            if isinstance(response, StreamResponse) and response._conn is not None \
+                    and response._head is None:
+                self._close()  # its head and some body went out: closing ends it
+            else:
+                self._answer_now(request, error_response(500, "internal router error", "internal_error"))
+            return
         self._finished(request)
 
     def _write_whole(self, request: Request, response: web.StreamResponse | WholeResponse) -> None:
@@ -459,6 +470,10 @@ class DataServer:
         if headers.keys() & _FRAMING:
             items = [(n, v) for n, v in items if n.lower() not in _FRAMING]  # type: ignore[assignment]
         fields = "".join([f"{name}: {value}\r\n" for name, value in items])
-        head = f"HTTP/1.1 {status} {reason}\r\n{fields}".encode("latin-1")
-        return b"".join((head, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
+        head = f"HTTP/1.1 {status} {reason}\r\n{fields}"
+        try:
+            encoded = head.encode("latin-1")
+        except UnicodeEncodeError:  # a replica's UTF-8 value (as aiohttp decoded it): its bytes back
+            encoded = head.encode("utf-8", "surrogateescape")
+        return b"".join((encoded, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
                          b"" if keep_alive else b"Connection: close\r\n", b"\r\n"))

@@ -1,0 +1,53 @@
+"""The data port at the socket on the edges of HTTP/1.1: answers the server cannot write as
+they are, request framing it must refuse, Expect on an oversized body, HTTP/1.0 keep-alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+from .fakes import FakeUpstream
+from .test_data_server import CHAT, _open, _post, _read_all
+
+ANSWER = b'{"id":"c","object":"chat.completion","choices":[]}'
+
+
+async def test_a_replica_header_outside_latin_1_is_relayed_not_a_hang(start_app, start_router):
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=ANSWER, content_type="application/json", headers={"X-Note": "€uro"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    _, url = await start_router([await start_app(app)])
+    reader, writer = await _open(url)
+    writer.write(_post(CHAT, b"Connection: close"))
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert "X-Note: €uro".encode() in data and data.endswith(ANSWER)
+
+
+async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
+    from multidict import CIMultiDict
+
+    from router.data_http import WholeResponse
+    from router.data_server import DataServer
+
+    async def broken(request):  # a header no encoding can carry (a lone surrogate)
+        return WholeResponse(200, b"{}", CIMultiDict({"X-Bad": "\ud800"}))
+
+    server = DataServer({"/x": {"GET": broken}}, [], [], max_body_bytes=1000,
+                        header_timeout_s=5, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        await server.cleanup()
+    assert data.startswith(b"HTTP/1.1 500"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 500
