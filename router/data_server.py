@@ -185,6 +185,11 @@ class _Connection(asyncio.Protocol):
                           CIMultiDictProxy(CIMultiDict(self._raw_headers)), version,
                           parser.should_keep_alive())
         self._parsing = request
+        coding = request.headers.get("Transfer-Encoding")
+        if coding is not None and coding.rpartition(",")[2].strip().lower() != "chunked":
+            # No way to know where such a body ends (RFC 9112 section 6.3): refused, not read
+            # to the connection's close.
+            raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
         length = request.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             request._too_large = True
@@ -226,7 +231,7 @@ class _Connection(asyncio.Protocol):
                     417, "unsupported Expect header (only 100-continue)", "invalid_request_error",
                     {"Connection": "close"}))
                 return
-            if request.version >= (1, 1) and not request._complete:
+            if request.version >= (1, 1) and not request._complete and not request._too_large:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
         self._task = self.loop.create_task(self._run(request))
 
@@ -281,6 +286,8 @@ class _Connection(asyncio.Protocol):
         if not keep:
             self.must_close = True
         extra = b"Content-Length: %d\r\n" % len(body)
+        if keep and request.version < (1, 1):  # a 1.0 client assumes a close unless told
+            extra += b"Connection: keep-alive\r\n"
         head = self.server.head(response.status, response.headers, extra, keep, response.reason)
         self.transport.write(head if request.method == "HEAD" else head + body)  # type: ignore[union-attr]
 

@@ -30,6 +30,42 @@ async def test_a_replica_header_outside_latin_1_is_relayed_not_a_hang(start_app,
     assert "X-Note: €uro".encode() in data and data.endswith(ANSWER)
 
 
+async def test_a_transfer_encoding_not_ending_in_chunked_is_a_json_400(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    # No length can be known for such a body (RFC 9112 section 6.3): refused, never read to close.
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n" + CHAT)
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 400
+
+
+async def test_expect_continue_on_a_body_over_the_limit_gets_413_without_100(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())], server={"max_body_bytes": 100})
+    reader, writer = await _open(url)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: 5000\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert b"100 Continue" not in data
+
+
+async def test_http_1_0_keep_alive_is_acknowledged_and_the_connection_reused(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    writer.write(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    # A 1.0 client assumes the connection closes unless the answer says it stays open.
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: keep-alive" in head.lower(), head
+    await reader.readexactly(len(b'{"status":"ok"}'))
+    writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data.lower()
+
+
 async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
     from multidict import CIMultiDict
 
