@@ -41,6 +41,7 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 _MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
 _MAX_HEADERS_TOTAL = 64 * 1024
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
+_QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
 # Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
@@ -212,6 +213,11 @@ class _Connection(asyncio.Protocol):
             request._wake()
             return
         request._chunks.append(body)
+        if request is not self._serving and request._size > _QUEUED_BODY_BYTES \
+                and not self._reading_paused:
+            # Nobody reads a waiting request's body yet: the client waits until it is served.
+            self._reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
         request = self._parsing

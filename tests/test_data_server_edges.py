@@ -7,6 +7,7 @@ import asyncio
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from .fakes import FakeUpstream
 from .test_data_server import CHAT, _open, _post, _read_all
@@ -87,3 +88,47 @@ async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
         await server.cleanup()
     assert data.startswith(b"HTTP/1.1 500"), data[:200]
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 500
+
+
+async def test_a_pipelined_body_waiting_behind_a_slow_answer_is_not_buffered_whole():
+    from router.data_http import WholeResponse
+    from router.data_server import DataServer
+
+    release = asyncio.Event()
+
+    async def slow(request):
+        await request.read()
+        await release.wait()
+        return WholeResponse(200, b"slow", CIMultiDict())
+
+    async def upload(request):
+        return WholeResponse(200, b"%d" % len(await request.read()), CIMultiDict())
+
+    big = b"x" * (16 << 20)
+    server = DataServer({"/slow": {"GET": slow}, "/up": {"POST": upload}}, [], [],
+                        max_body_bytes=32 << 20, header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /up HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                     % len(big))
+        sending = asyncio.ensure_future(_send(writer, big))
+        (conn,) = server.connections
+        deadline = asyncio.get_running_loop().time() + 20
+        while not conn._reading_paused and not sending.done() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert conn._reading_paused and conn._queue[0]._size < len(big) // 4
+        release.set()
+        await sending
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        release.set()
+        await server.cleanup()
+    assert data.count(b"HTTP/1.1 200") == 2 and data.endswith(b"%d" % len(big)), data[-200:]
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(data)
+    await writer.drain()
