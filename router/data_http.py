@@ -99,6 +99,11 @@ class Request:
             waiter.set_result(None)
 
 
+def bodiless(method: str, status: int) -> bool:
+    """Whether an answer to `method` with `status` has no body at all."""
+    return method == "HEAD" or status < 200 or status in (204, 304)
+
+
 class StreamResponse:
     """A response written as it goes: status line and headers leave with the first body bytes
     (one segment: nothing for Nagle or delayed ACKs to hold back); chunked for HTTP/1.1
@@ -110,14 +115,18 @@ class StreamResponse:
         self._conn: _Connection | None = None
         self._head: bytes | None = None
         self._chunked = True
+        self._bodiless = False
         self.eof_sent = False
 
     async def prepare(self, request: Request) -> None:
         conn = request._conn
         self._conn = conn
-        self._chunked = request.version >= (1, 1)
-        if not self._chunked:
-            conn.must_close = True
+        # HEAD, 1xx, 204 and 304 answers end with their head (RFC 9112 section 6.3): a body
+        # or a chunked terminator would be read as the start of the next answer.
+        self._bodiless = bodiless(request.method, self.status)
+        self._chunked = request.version >= (1, 1) and not self._bodiless
+        if not self._chunked and not self._bodiless:
+            conn.must_close = True  # an HTTP/1.0 body ends with the connection
         keep = conn.keeps_alive(request, self.headers)
         if not keep:
             conn.must_close = True
@@ -129,7 +138,7 @@ class StreamResponse:
         assert conn is not None, "StreamResponse.prepare() not called"
         if conn.closing or conn.transport.is_closing():  # type: ignore[union-attr]
             raise ConnectionResetError("client connection closed")
-        if not data:
+        if not data or self._bodiless:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
@@ -149,7 +158,9 @@ class StreamResponse:
         self.eof_sent = True
         if conn.closing:
             return
-        if self._chunked:
+        if self._bodiless:
+            data = b""
+        elif self._chunked:
             data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         head = self._head
         if head is not None:

@@ -29,7 +29,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_http import Answer, Request, StreamResponse, WholeResponse
+from .data_http import Answer, Request, StreamResponse, WholeResponse, bodiless
 from .errors import error_response
 
 log = logging.getLogger("kvrouter")
@@ -291,11 +291,15 @@ class _Connection(asyncio.Protocol):
             keep = False  # what is left of the body is not worth reading
         if not keep:
             self.must_close = True
-        extra = b"Content-Length: %d\r\n" % len(body)
+        extra = b"Content-Length: %d\r\n" % len(body)  # for HEAD: the length GET would have
+        if bodiless(request.method, response.status):
+            body = b""
+            if request.method != "HEAD":
+                extra = b""  # 1xx, 204, 304: no body and no length
         if keep and request.version < (1, 1):  # a 1.0 client assumes a close unless told
             extra += b"Connection: keep-alive\r\n"
         head = self.server.head(response.status, response.headers, extra, keep, response.reason)
-        self.transport.write(head if request.method == "HEAD" else head + body)  # type: ignore[union-attr]
+        self.transport.write(head + body)  # type: ignore[union-attr]
 
     def keeps_alive(self, request: Request, headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> bool:
         if self.must_close or self.server.stopping or not request.keep_alive:

@@ -132,3 +132,21 @@ async def test_a_pipelined_body_waiting_behind_a_slow_answer_is_not_buffered_who
 async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(data)
     await writer.drain()
+
+
+async def test_a_relayed_204_carries_no_body_and_the_connection_stays_in_step(start_app, start_router):
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    _, url = await start_router([await start_app(app)])
+    reader, writer = await _open(url)
+    writer.write(_post(CHAT) + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 204"), data[:300]
+    assert b"transfer-encoding" not in head.lower()
+    assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b'{"status":"ok"}'), data[:300]
