@@ -268,6 +268,8 @@ class _Connection(asyncio.Protocol):
                     await response.write_eof()
             else:
                 self._write_whole(request, response)
+                if self.write_paused:  # a client not reading gets no next answer queued
+                    await self.drain()
         except ConnectionResetError:
             return
         except Exception:  # an answer that cannot be written: the client still gets an end

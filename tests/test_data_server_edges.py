@@ -150,3 +150,33 @@ async def test_a_relayed_204_carries_no_body_and_the_connection_stays_in_step(st
     assert head.startswith(b"HTTP/1.1 204"), data[:300]
     assert b"transfer-encoding" not in head.lower()
     assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b'{"status":"ok"}'), data[:300]
+
+
+async def test_a_client_pipelining_without_reading_is_not_answered_into_memory():
+    from router.data_http import WholeResponse
+    from router.data_server import DataServer
+
+    served = 0
+    body = b"y" * (400 << 10)
+
+    async def big(request):
+        nonlocal served
+        served += 1
+        return WholeResponse(200, body, CIMultiDict())
+
+    server = DataServer({"/big": {"GET": big}}, [], [], max_body_bytes=1000,
+                        header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 100)  # and reads nothing
+        (conn,) = server.connections
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while served < 100 and conn._drain is None and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        # The answer written waits for the client to read before the next is served.
+        assert conn._drain is not None and served < 100
+        writer.close()
+    finally:
+        await server.cleanup()
