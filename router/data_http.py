@@ -49,7 +49,7 @@ class Request:
     """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
 
     __slots__ = ("method", "path", "rel_url", "headers", "version", "keep_alive", "_conn",
-                 "_chunks", "_size", "_complete", "_too_large", "_waiter", "expect")
+                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
 
     def __init__(self, conn: _Connection, method: str, path: str, raw_path_qs: str,
                  headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool) -> None:
@@ -65,6 +65,7 @@ class Request:
         self._size = 0
         self._complete = False
         self._too_large = False
+        self._malformed: str | None = None  # why the body could not be parsed
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -79,8 +80,9 @@ class Request:
         return self._complete
 
     async def read(self) -> bytes:
-        """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit."""
-        while not self._complete and not self._too_large:
+        """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit,
+        HTTP 400 for a body the parser refused."""
+        while not self._complete and not self._too_large and self._malformed is None:
             if self._conn.closing:
                 raise ConnectionResetError("client connection closed")
             self._waiter = self._conn.loop.create_future()
@@ -88,6 +90,8 @@ class Request:
                 await self._waiter
             finally:
                 self._waiter = None
+        if self._malformed is not None:
+            raise web.HTTPBadRequest(reason=self._malformed)
         if self._too_large:
             raise web.HTTPRequestEntityTooLarge(self._conn.server.max_body_bytes, self._size)
         chunks = self._chunks

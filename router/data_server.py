@@ -330,8 +330,12 @@ class _Connection(asyncio.Protocol):
         answered now) and close."""
         self._queue.clear()
         self._parsing = None
-        if self._serving is not None:
+        serving = self._serving
+        if serving is not None:
             self.must_close = True
+            if not serving._complete:  # the error is in its body: its reader learns it now
+                serving._malformed = message
+                serving._wake()
             if self.transport is not None and not self.closing:
                 self.transport.pause_reading()
             return

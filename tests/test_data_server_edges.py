@@ -180,3 +180,17 @@ async def test_a_client_pipelining_without_reading_is_not_answered_into_memory()
         writer.close()
     finally:
         await server.cleanup()
+
+
+async def test_a_malformed_chunked_body_is_a_prompt_json_400(start_app, start_router):
+    # The body timeout is long: the answer must not wait for it.
+    _, url = await start_router([await start_app(FakeUpstream().app())],
+                                server={"client_body_timeout_s": 30})
+    reader, writer = await _open(url)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"5\r\n{\"a\":\r\nzz\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    error = orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]
+    assert error["message"].startswith("malformed HTTP request"), error
