@@ -9,6 +9,9 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvrouter.router.data_http import WholeResponse
+from kvrouter.router.data_server import DataServer
+
 from .fakes import FakeUpstream
 from .test_data_server import CHAT, _open, _post, _read_all
 
@@ -68,11 +71,6 @@ async def test_http_1_0_keep_alive_is_acknowledged_and_the_connection_reused(sta
 
 
 async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
-    from multidict import CIMultiDict
-
-    from router.data_http import WholeResponse
-    from router.data_server import DataServer
-
     async def broken(request):  # a header no encoding can carry (a lone surrogate)
         return WholeResponse(200, b"{}", CIMultiDict({"X-Bad": "\ud800"}))
 
@@ -91,9 +89,6 @@ async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
 
 
 async def test_a_pipelined_body_waiting_behind_a_slow_answer_is_not_buffered_whole():
-    from router.data_http import WholeResponse
-    from router.data_server import DataServer
-
     release = asyncio.Event()
 
     async def slow(request):
@@ -153,9 +148,6 @@ async def test_a_relayed_204_carries_no_body_and_the_connection_stays_in_step(st
 
 
 async def test_a_client_pipelining_without_reading_is_not_answered_into_memory():
-    from router.data_http import WholeResponse
-    from router.data_server import DataServer
-
     served = 0
     body = b"y" * (400 << 10)
 
