@@ -213,9 +213,10 @@ class _Connection(asyncio.Protocol):
             request._wake()
             return
         request._chunks.append(body)
-        if request is not self._serving and request._size > _QUEUED_BODY_BYTES \
+        if request._size > _QUEUED_BODY_BYTES and self._serving not in (None, request) \
                 and not self._reading_paused:
-            # Nobody reads a waiting request's body yet: the client waits until it is served.
+            # A request queued behind the one being served: nobody reads its body yet, and
+            # `_finished` resumes reading when its turn comes.
             self._reading_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
 
@@ -312,6 +313,9 @@ class _Connection(asyncio.Protocol):
     def _finished(self, request: Request) -> None:
         self._serving = None
         self._task = None
+        if not request._complete:  # answered before its body ended: the rest is read past
+            request._too_large = True  # (`on_body` keeps no more of it)
+            request._chunks = []
         if self.must_close or self.closing:
             self._close()
             return

@@ -186,3 +186,30 @@ async def test_a_malformed_chunked_body_is_a_prompt_json_400(start_app, start_ro
     assert data.startswith(b"HTTP/1.1 400"), data[:200]
     error = orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]
     assert error["message"].startswith("malformed HTTP request"), error
+
+
+async def test_the_body_of_a_request_answered_before_it_arrived_is_not_kept():
+    seen = []
+
+    async def refuse(request):  # answers without reading the body (as a 401 does)
+        seen.append(request)
+        return WholeResponse(401, b"{}", CIMultiDict())
+
+    server = DataServer({"/x": {"POST": refuse, "GET": refuse}}, [], [], max_body_bytes=32 << 20,
+                        header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"z" * (4 << 20)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 401") and b"Connection: close" not in head
+        await reader.readexactly(2)
+        # The connection stays in step: the body is read past, then the next request served.
+        writer.write(body + b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        await server.cleanup()
+    assert data.startswith(b"HTTP/1.1 401") and len(seen) == 2
+    assert seen[0]._chunks == [], "a body nobody will read was buffered"
