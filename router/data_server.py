@@ -40,6 +40,7 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 
 _MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
 _MAX_HEADERS_TOTAL = 64 * 1024
+_MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones fit the byte bound
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
 _QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
@@ -156,6 +157,8 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += size
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
+        if len(self._raw_headers) >= _MAX_HEADER_COUNT:
+            raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
         key = name.decode("latin-1")
         lower = key.lower()
         if lower in _SINGLETONS:

@@ -213,3 +213,14 @@ async def test_the_body_of_a_request_answered_before_it_arrived_is_not_kept():
         await server.cleanup()
     assert data.startswith(b"HTTP/1.1 401") and len(seen) == 2
     assert seen[0]._chunks == [], "a body nobody will read was buffered"
+
+
+async def test_more_headers_than_the_cap_is_a_json_431(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    many = b"".join(b"X-%d: v\r\n" % i for i in range(200))  # small, but too many
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 431"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["type"] == "request_too_large"
