@@ -272,7 +272,7 @@ class _Connection(asyncio.Protocol):
                     await response.write_eof()
             else:
                 self._write_whole(request, response)
-                if self.write_paused:  # a client not reading gets no next answer queued
+                if self.write_paused and not self.must_close:  # no next answer queued unread
                     await self.drain()
         except ConnectionResetError:
             return
