@@ -3,7 +3,7 @@
 A `Request` carries what the handlers read: method, path (decoded), the target as the client
 encoded it (`rel_url.raw_path_qs`), headers, and its body as it arrives. A `StreamResponse` is
 written as it goes; whole answers are aiohttp `web.Response` values (the admin API shares the
-error helpers that build them).
+error helpers that build them) or, for a replica's relayed answer, a `WholeResponse`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ a handful of fixed routes and none of that. The admin port keeps aiohttp.
 One request at a time per connection: requests a client pipelines are parsed as they arrive and
 served in order. A client that goes away cancels the handler of its request (the relay then
 aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
-error helpers build them; the admin API shares the helpers); streamed answers are
-`StreamResponse` (router/data_http.py), whose headers go out with its first body bytes.
+error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
+streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
+first body bytes. HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
+gets no next pipelined answer until it drains the last one.
 """
 
 from __future__ import annotations
