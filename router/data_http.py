@@ -3,7 +3,7 @@
 A `Request` carries what the handlers read: method, path (decoded), the target as the client
 encoded it (`rel_url.raw_path_qs`), headers, and its body as it arrives. A `StreamResponse` is
 written as it goes; whole answers are aiohttp `web.Response` values (the admin API shares the
-error helpers that build them).
+error helpers that build them) or, for a replica's relayed answer, a `WholeResponse`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Request:
     """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
 
     __slots__ = ("method", "path", "rel_url", "headers", "version", "keep_alive", "_conn",
-                 "_chunks", "_size", "_complete", "_too_large", "_waiter", "expect")
+                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
 
     def __init__(self, conn: _Connection, method: str, path: str, raw_path_qs: str,
                  headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool) -> None:
@@ -65,6 +65,7 @@ class Request:
         self._size = 0
         self._complete = False
         self._too_large = False
+        self._malformed: str | None = None  # why the body could not be parsed
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -79,8 +80,9 @@ class Request:
         return self._complete
 
     async def read(self) -> bytes:
-        """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit."""
-        while not self._complete and not self._too_large:
+        """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit,
+        HTTP 400 for a body the parser refused."""
+        while not self._complete and not self._too_large and self._malformed is None:
             if self._conn.closing:
                 raise ConnectionResetError("client connection closed")
             self._waiter = self._conn.loop.create_future()
@@ -88,6 +90,8 @@ class Request:
                 await self._waiter
             finally:
                 self._waiter = None
+        if self._malformed is not None:
+            raise web.HTTPBadRequest(reason=self._malformed)
         if self._too_large:
             raise web.HTTPRequestEntityTooLarge(self._conn.server.max_body_bytes, self._size)
         chunks = self._chunks
@@ -97,6 +101,11 @@ class Request:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def bodiless(method: str, status: int) -> bool:
+    """Whether an answer to `method` with `status` has no body at all."""
+    return method == "HEAD" or status < 200 or status in (204, 304)
 
 
 class StreamResponse:
@@ -110,14 +119,18 @@ class StreamResponse:
         self._conn: _Connection | None = None
         self._head: bytes | None = None
         self._chunked = True
+        self._bodiless = False
         self.eof_sent = False
 
     async def prepare(self, request: Request) -> None:
         conn = request._conn
         self._conn = conn
-        self._chunked = request.version >= (1, 1)
-        if not self._chunked:
-            conn.must_close = True
+        # HEAD, 1xx, 204 and 304 answers end with their head (RFC 9112 section 6.3): a body
+        # or a chunked terminator would be read as the start of the next answer.
+        self._bodiless = bodiless(request.method, self.status)
+        self._chunked = request.version >= (1, 1) and not self._bodiless
+        if not self._chunked and not self._bodiless:
+            conn.must_close = True  # an HTTP/1.0 body ends with the connection
         keep = conn.keeps_alive(request, self.headers)
         if not keep:
             conn.must_close = True
@@ -129,7 +142,7 @@ class StreamResponse:
         assert conn is not None, "StreamResponse.prepare() not called"
         if conn.closing or conn.transport.is_closing():  # type: ignore[union-attr]
             raise ConnectionResetError("client connection closed")
-        if not data:
+        if not data or self._bodiless:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
@@ -149,7 +162,9 @@ class StreamResponse:
         self.eof_sent = True
         if conn.closing:
             return
-        if self._chunked:
+        if self._bodiless:
+            data = b""
+        elif self._chunked:
             data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         head = self._head
         if head is not None:

@@ -8,8 +8,10 @@ a handful of fixed routes and none of that. The admin port keeps aiohttp.
 One request at a time per connection: requests a client pipelines are parsed as they arrive and
 served in order. A client that goes away cancels the handler of its request (the relay then
 aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
-error helpers build them; the admin API shares the helpers); streamed answers are
-`StreamResponse` (router/data_http.py), whose headers go out with its first body bytes.
+error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
+streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
+first body bytes. HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
+gets no next pipelined answer until it drains the last one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_http import Answer, Request, StreamResponse, WholeResponse
+from .data_http import Answer, Request, StreamResponse, WholeResponse, bodiless
 from .errors import error_response
 
 log = logging.getLogger("kvrouter")
@@ -40,7 +42,9 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 
 _MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
 _MAX_HEADERS_TOTAL = 64 * 1024
+_MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones fit the byte bound
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
+_QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
 # Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
@@ -155,6 +159,8 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += size
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
+        if len(self._raw_headers) >= _MAX_HEADER_COUNT:
+            raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
         key = name.decode("latin-1")
         lower = key.lower()
         if lower in _SINGLETONS:
@@ -185,6 +191,11 @@ class _Connection(asyncio.Protocol):
                           CIMultiDictProxy(CIMultiDict(self._raw_headers)), version,
                           parser.should_keep_alive())
         self._parsing = request
+        coding = request.headers.get("Transfer-Encoding")
+        if coding is not None and coding.rpartition(",")[2].strip().lower() != "chunked":
+            # No way to know where such a body ends (RFC 9112 section 6.3): refused, not read
+            # to the connection's close.
+            raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
         length = request.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             request._too_large = True
@@ -207,6 +218,12 @@ class _Connection(asyncio.Protocol):
             request._wake()
             return
         request._chunks.append(body)
+        if request._size > _QUEUED_BODY_BYTES and self._serving not in (None, request) \
+                and not self._reading_paused:
+            # A request queued behind the one being served: nobody reads its body yet, and
+            # `_finished` resumes reading when its turn comes.
+            self._reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
         request = self._parsing
@@ -226,7 +243,7 @@ class _Connection(asyncio.Protocol):
                     417, "unsupported Expect header (only 100-continue)", "invalid_request_error",
                     {"Connection": "close"}))
                 return
-            if request.version >= (1, 1) and not request._complete:
+            if request.version >= (1, 1) and not request._complete and not request._too_large:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
         self._task = self.loop.create_task(self._run(request))
 
@@ -249,13 +266,26 @@ class _Connection(asyncio.Protocol):
             response = error_response(500, "internal router error", "internal_error")
         if self.closing:
             return
-        if isinstance(response, StreamResponse):
-            if response._conn is None:
-                await response.prepare(request)
-            if not response.eof_sent:
-                await response.write_eof()
-        else:
-            self._write_whole(request, response)
+        try:
+            if isinstance(response, StreamResponse):
+                if response._conn is None:
+                    await response.prepare(request)
+                if not response.eof_sent:
+                    await response.write_eof()
+            else:
+                self._write_whole(request, response)
+                if self.write_paused and not self.must_close:  # no next answer queued unread
+                    await self.drain()
+        except ConnectionResetError:
+            return
+        except Exception:  # an answer that cannot be written: the client still gets an end
+            log.exception("unwritable answer to %s %s", request.method, request.path)
+            if isinstance(response, StreamResponse) and response._conn is not None \
+                    and response._head is None:
+                self._close()  # its head and some body went out: closing ends it
+            else:
+                self._answer_now(request, error_response(500, "internal router error", "internal_error"))
+            return
         self._finished(request)
 
     def _write_whole(self, request: Request, response: web.StreamResponse | WholeResponse) -> None:
@@ -269,9 +299,15 @@ class _Connection(asyncio.Protocol):
             keep = False  # what is left of the body is not worth reading
         if not keep:
             self.must_close = True
-        extra = b"Content-Length: %d\r\n" % len(body)
+        extra = b"Content-Length: %d\r\n" % len(body)  # for HEAD: the length GET would have
+        if bodiless(request.method, response.status):
+            body = b""
+            if request.method != "HEAD":
+                extra = b""  # 1xx, 204, 304: no body and no length
+        if keep and request.version < (1, 1):  # a 1.0 client assumes a close unless told
+            extra += b"Connection: keep-alive\r\n"
         head = self.server.head(response.status, response.headers, extra, keep, response.reason)
-        self.transport.write(head if request.method == "HEAD" else head + body)  # type: ignore[union-attr]
+        self.transport.write(head + body)  # type: ignore[union-attr]
 
     def keeps_alive(self, request: Request, headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> bool:
         if self.must_close or self.server.stopping or not request.keep_alive:
@@ -282,6 +318,9 @@ class _Connection(asyncio.Protocol):
     def _finished(self, request: Request) -> None:
         self._serving = None
         self._task = None
+        if not request._complete:  # answered before its body ended: the rest is read past
+            request._too_large = True  # (`on_body` keeps no more of it)
+            request._chunks = []
         if self.must_close or self.closing:
             self._close()
             return
@@ -300,8 +339,12 @@ class _Connection(asyncio.Protocol):
         answered now) and close."""
         self._queue.clear()
         self._parsing = None
-        if self._serving is not None:
+        serving = self._serving
+        if serving is not None:
             self.must_close = True
+            if not serving._complete:  # the error is in its body: its reader learns it now
+                serving._malformed = message
+                serving._wake()
             if self.transport is not None and not self.closing:
                 self.transport.pause_reading()
             return
@@ -459,6 +502,10 @@ class DataServer:
         if headers.keys() & _FRAMING:
             items = [(n, v) for n, v in items if n.lower() not in _FRAMING]  # type: ignore[assignment]
         fields = "".join([f"{name}: {value}\r\n" for name, value in items])
-        head = f"HTTP/1.1 {status} {reason}\r\n{fields}".encode("latin-1")
-        return b"".join((head, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
+        head = f"HTTP/1.1 {status} {reason}\r\n{fields}"
+        try:
+            encoded = head.encode("latin-1")
+        except UnicodeEncodeError:  # a replica's UTF-8 value (as aiohttp decoded it): its bytes back
+            encoded = head.encode("utf-8", "surrogateescape")
+        return b"".join((encoded, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
                          b"" if keep_alive else b"Connection: close\r\n", b"\r\n"))

@@ -34,9 +34,13 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
+class _DropSet(frozenset):  # type: ignore[type-arg]
+    """A `drop_set` result: known to hold the hop-by-hop names, lower-cased."""
+
+
 def drop_set(extra_drop: Iterable[str] = ()) -> frozenset[str]:
     """The hop-by-hop names plus `extra_drop`, lower-cased: build once, pass to `end_to_end`."""
-    return _HOP_BY_HOP | {h.lower() for h in extra_drop}
+    return _DropSet(_HOP_BY_HOP | {h.lower() for h in extra_drop})
 
 
 def end_to_end(
@@ -44,7 +48,9 @@ def end_to_end(
 ) -> CIMultiDict[str]:
     """Copy only end-to-end headers, also dropping any field the Connection header names.
     `extra_drop` may be a `drop_set(...)` built once (the per-request fast path)."""
-    drop = extra_drop if isinstance(extra_drop, frozenset) else drop_set(extra_drop)
+    # Only a `drop_set` result is used as it is: any other set of names (a plain frozenset
+    # too) is added to the hop-by-hop names, which are never forwarded.
+    drop = extra_drop if isinstance(extra_drop, _DropSet) else drop_set(extra_drop)
     if "connection" in headers:
         drop = drop | _connection_tokens(headers)
     if not isinstance(headers, (CIMultiDict, CIMultiDictProxy)):

@@ -19,3 +19,8 @@ def test_plain_mapping_headers() -> None:
     plain = {k: v for k, v in RAW if k not in ("X-Trace", "Connection")}
     plain |= {"X-Trace": "1", "connection": "close, x-secret"}
     assert dict(end_to_end(plain, drop_set(["x-api-key"]))) == {"Accept": "a", "X-Trace": "1"}
+
+
+def test_a_plain_frozenset_of_extra_names_still_drops_the_hop_by_hop_ones() -> None:
+    kept = end_to_end(CIMultiDict(RAW), frozenset({"X-Api-Key"}))
+    assert list(kept.items()) == KEPT

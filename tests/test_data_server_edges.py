@@ -1,0 +1,226 @@
+"""The data port at the socket on the edges of HTTP/1.1: answers the server cannot write as
+they are, request framing it must refuse, Expect on an oversized body, HTTP/1.0 keep-alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvrouter.router.data_http import WholeResponse
+from kvrouter.router.data_server import DataServer
+
+from .fakes import FakeUpstream
+from .test_data_server import CHAT, _open, _post, _read_all
+
+ANSWER = b'{"id":"c","object":"chat.completion","choices":[]}'
+
+
+async def test_a_replica_header_outside_latin_1_is_relayed_not_a_hang(start_app, start_router):
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=ANSWER, content_type="application/json", headers={"X-Note": "€uro"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    _, url = await start_router([await start_app(app)])
+    reader, writer = await _open(url)
+    writer.write(_post(CHAT, b"Connection: close"))
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert "X-Note: €uro".encode() in data and data.endswith(ANSWER)
+
+
+async def test_a_transfer_encoding_not_ending_in_chunked_is_a_json_400(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    # No length can be known for such a body (RFC 9112 section 6.3): refused, never read to close.
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n" + CHAT)
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 400
+
+
+async def test_expect_continue_on_a_body_over_the_limit_gets_413_without_100(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())], server={"max_body_bytes": 100})
+    reader, writer = await _open(url)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: 5000\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert b"100 Continue" not in data
+
+
+async def test_http_1_0_keep_alive_is_acknowledged_and_the_connection_reused(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    writer.write(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    # A 1.0 client assumes the connection closes unless the answer says it stays open.
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: keep-alive" in head.lower(), head
+    await reader.readexactly(len(b'{"status":"ok"}'))
+    writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data.lower()
+
+
+async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
+    async def broken(request):  # a header no encoding can carry (a lone surrogate)
+        return WholeResponse(200, b"{}", CIMultiDict({"X-Bad": "\ud800"}))
+
+    server = DataServer({"/x": {"GET": broken}}, [], [], max_body_bytes=1000,
+                        header_timeout_s=5, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        await server.cleanup()
+    assert data.startswith(b"HTTP/1.1 500"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 500
+
+
+async def test_a_pipelined_body_waiting_behind_a_slow_answer_is_not_buffered_whole():
+    release = asyncio.Event()
+
+    async def slow(request):
+        await request.read()
+        await release.wait()
+        return WholeResponse(200, b"slow", CIMultiDict())
+
+    async def upload(request):
+        return WholeResponse(200, b"%d" % len(await request.read()), CIMultiDict())
+
+    big = b"x" * (16 << 20)
+    server = DataServer({"/slow": {"GET": slow}, "/up": {"POST": upload}}, [], [],
+                        max_body_bytes=32 << 20, header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /up HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                     % len(big))
+        sending = asyncio.ensure_future(_send(writer, big))
+        (conn,) = server.connections
+        deadline = asyncio.get_running_loop().time() + 20
+        while not conn._reading_paused and not sending.done() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert conn._reading_paused and conn._queue[0]._size < len(big) // 4
+        release.set()
+        await sending
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        release.set()
+        await server.cleanup()
+    assert data.count(b"HTTP/1.1 200") == 2 and data.endswith(b"%d" % len(big)), data[-200:]
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(data)
+    await writer.drain()
+
+
+async def test_a_relayed_204_carries_no_body_and_the_connection_stays_in_step(start_app, start_router):
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    _, url = await start_router([await start_app(app)])
+    reader, writer = await _open(url)
+    writer.write(_post(CHAT) + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 204"), data[:300]
+    assert b"transfer-encoding" not in head.lower()
+    assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b'{"status":"ok"}'), data[:300]
+
+
+async def test_a_client_pipelining_without_reading_is_not_answered_into_memory():
+    served = 0
+    body = b"y" * (400 << 10)
+
+    async def big(request):
+        nonlocal served
+        served += 1
+        return WholeResponse(200, body, CIMultiDict())
+
+    server = DataServer({"/big": {"GET": big}}, [], [], max_body_bytes=1000,
+                        header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 100)  # and reads nothing
+        (conn,) = server.connections
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while served < 100 and conn._drain is None and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        # The answer written waits for the client to read before the next is served.
+        assert conn._drain is not None and served < 100
+        writer.close()
+    finally:
+        await server.cleanup()
+
+
+async def test_a_malformed_chunked_body_is_a_prompt_json_400(start_app, start_router):
+    # The body timeout is long: the answer must not wait for it.
+    _, url = await start_router([await start_app(FakeUpstream().app())],
+                                server={"client_body_timeout_s": 30})
+    reader, writer = await _open(url)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"5\r\n{\"a\":\r\nzz\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    error = orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]
+    assert error["message"].startswith("malformed HTTP request"), error
+
+
+async def test_the_body_of_a_request_answered_before_it_arrived_is_not_kept():
+    seen = []
+
+    async def refuse(request):  # answers without reading the body (as a 401 does)
+        seen.append(request)
+        return WholeResponse(401, b"{}", CIMultiDict())
+
+    server = DataServer({"/x": {"POST": refuse, "GET": refuse}}, [], [], max_body_bytes=32 << 20,
+                        header_timeout_s=10, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"z" * (4 << 20)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 401") and b"Connection: close" not in head
+        await reader.readexactly(2)
+        # The connection stays in step: the body is read past, then the next request served.
+        writer.write(body + b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        await server.cleanup()
+    assert data.startswith(b"HTTP/1.1 401") and len(seen) == 2
+    assert seen[0]._chunks == [], "a body nobody will read was buffered"
+
+
+async def test_more_headers_than_the_cap_is_a_json_431(start_app, start_router):
+    _, url = await start_router([await start_app(FakeUpstream().app())])
+    reader, writer = await _open(url)
+    many = b"".join(b"X-%d: v\r\n" % i for i in range(200))  # small, but too many
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 431"), data[:200]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["type"] == "request_too_large"
