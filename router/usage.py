@@ -63,7 +63,9 @@ def ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
     return True
 
 
-def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> SplicedBody | None:
+def body_asking_stream_usage(
+    route: str, body: dict[str, Any], raw: bytes
+) -> bytes | SplicedBody | None:
     """The request bytes to send when the router asks for the stream's usage event (as
     `ask_stream_usage` on the parsed `body`, which is left unchanged), or None: send `raw` as it
     is. The asking `stream_options` member is added after the client's own bytes, which are
@@ -71,9 +73,7 @@ def body_asking_stream_usage(route: str, body: dict[str, Any], raw: bytes) -> Sp
     if not _must_ask_stream_usage(route, body):
         return None
     if "stream_options" in body:  # rare: re-serialize, so no strict parser sees the key twice
-        dumped = memoryview(orjson.dumps({**body, "stream_options": _asked_options(body)}))
-        return SplicedBody((dumped[:-1], dumped[-1:]))  # the closing brace its own piece, as
-        # a SplicedBody's last piece must be (routed_dp_rank goes in front of it)
+        return orjson.dumps({**body, "stream_options": _asked_options(body)})
     return with_member(raw, b'"stream_options":' + orjson.dumps(_asked_options(body)))
 
 
