@@ -13,7 +13,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from .plain_counter import PlainCounter
 
 # Time-to-first-byte spans a warm turn (tens of ms) to a cold 100k-token prefill behind a queue.
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
@@ -297,21 +296,21 @@ class RouterMetrics:
             "Decision-log lines dropped because the writer thread's queue was full.",
             registry=r,
         )
-        # Counted on every decision by each shadow policy: plain counters (metrics/plain_counter.py).
-        self.shadow_decisions = PlainCounter(
+        # Counted on every decision by each shadow policy, through `count` (deferred).
+        self.shadow_decisions = Counter(
             "kvrouter_shadow_decisions_total",
             "Decisions a shadow policy (routing.shadow) was asked for, by whether it picked the "
             "replica the live policy picked.",
             ["shadow", "agrees"],
             registry=r,
         )
-        self.shadow_picks = PlainCounter(
+        self.shadow_picks = Counter(
             "kvrouter_shadow_picks_total",
             "Decisions a shadow policy (routing.shadow) would have sent to this replica.",
             ["replica", "shadow"],
             registry=r,
         )
-        self.shadow_predicted_ttft = PlainCounter(
+        self.shadow_predicted_ttft = Counter(
             "kvrouter_shadow_predicted_ttft_seconds_total",
             "With shadow policies on: sum of the predicted TTFT of each policy's picks, the live "
             "one (role=live) and each shadow (role=shadow) on the same decisions; a shadow's "
@@ -390,9 +389,6 @@ class RouterMetrics:
         so a replica that left the fleet leaves no stale series behind."""
         self.forget_children(replica)
         for metric in vars(self).values():
-            if isinstance(metric, PlainCounter) and "replica" in metric.labelnames:
-                metric.forget("replica", replica)
-                continue
             names = getattr(metric, "_labelnames", ())
             if not isinstance(metric, MetricWrapperBase) or "replica" not in names:
                 continue

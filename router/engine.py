@@ -144,15 +144,15 @@ class RoutingEngine:
                 if guess is None:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             shadows.append((name, other, guess))
-            if m is not None:  # plain counters (metrics/plain_counter.py): a dict add each
+            if m is not None:  # deferred counts (RouterMetrics.count): a dict add each
                 agrees = guess is not None and guess.replica == live
-                m.shadow_decisions.add((name, "true" if agrees else "false"))
+                m.count(m.shadow_decisions, (name, "true" if agrees else "false"))
                 if guess is not None:
-                    m.shadow_picks.add((guess.replica, name))
+                    m.count(m.shadow_picks, (guess.replica, name))
                     if guess.ttft_s is not None:
-                        m.shadow_predicted_ttft.add((name, "shadow"), guess.ttft_s)
+                        m.count(m.shadow_predicted_ttft, (name, "shadow"), guess.ttft_s)
         if m is not None and shadows and chosen.ttft_s is not None:
-            m.shadow_predicted_ttft.add((self.policy.name, "live"), chosen.ttft_s)
+            m.count(m.shadow_predicted_ttft, (self.policy.name, "live"), chosen.ttft_s)
         healthy = snapshot.healthy_count
         if healthy is None:
             healthy = sum(r.healthy for r in snapshot.replicas)

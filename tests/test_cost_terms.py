@@ -1,6 +1,6 @@
 """The shortcuts the decision path takes give exactly what the plain definitions give: the cost
 terms a view keeps (policies/cost.py), the written-out draws of a plain Random (candidate
-sampling, near-tie picks), and the plain counters the shadow metrics use."""
+sampling, near-tie picks), and the shadow metrics' series leaving with their replica."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import dataclasses
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from kvrouter.metrics.plain_counter import PlainCounter
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
@@ -184,24 +182,11 @@ def test_sampling_an_all_healthy_fleet_draws_what_choice_draws(rng_type, n: int)
             assert ours.random() == theirs.random()
 
 
-def test_plain_counter_exposes_what_a_prometheus_counter_does() -> None:
-    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
-    ours = PlainCounter("x_picks_total", "Picks.", ["replica", "shadow"], registry=ours_registry)
-    theirs = Counter("x_picks_total", "Picks.", ["replica", "shadow"], registry=theirs_registry)
-    assert generate_latest(ours_registry) == generate_latest(theirs_registry)  # no series yet
-    for replica, shadow, amount in [("a", "s", 1.0), ("b", "s", 0.25), ("a", "s", 2.0), ("a", "t", 1.0)]:
-        ours.add((replica, shadow), amount)
-        theirs.labels(replica, shadow).inc(amount)
-    created = [line for line in generate_latest(theirs_registry).splitlines() if b"_created" not in line]
-    assert generate_latest(ours_registry).splitlines() == created
-    assert ours_registry.get_sample_value("x_picks_total", {"replica": "a", "shadow": "s"}) == 3.0
-
-
 def test_a_leaving_replica_takes_its_shadow_pick_series_with_it() -> None:
     m = RouterMetrics()
-    m.shadow_picks.add(("http://a", "least-load"))
-    m.shadow_picks.add(("http://b", "least-load"))
-    m.shadow_decisions.add(("least-load", "true"))
+    m.count(m.shadow_picks, ("http://a", "least-load"))
+    m.count(m.shadow_picks, ("http://b", "least-load"))
+    m.count(m.shadow_decisions, ("least-load", "true"))
     m.forget_replica("http://a")
     sample = m.registry.get_sample_value
     assert sample("kvrouter_shadow_picks_total", {"replica": "http://a", "shadow": "least-load"}) is None
