@@ -200,7 +200,11 @@ async def test_generate_meta_info_fields(start_sim):
     assert meta["spec_verify_ct"] == 12
     assert meta["spec_accept_length"] == pytest.approx(30 / 12)
     assert meta["spec_accept_rate"] == pytest.approx((30 - 1 - 12) / (12 * 3))
-    chunks = await _post(url, "/generate", {**body, "stream": True})
+    # At FAST the whole decode takes well under a millisecond of wall time, so a busy machine can
+    # see all of it at the stream's first poll: stream in real time, for about half a second.
+    _, real_time_url = await start_sim(time_scale=1.0)
+    long = {**body, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}, "stream": True}
+    chunks = await _post(real_time_url, "/generate", long)
     metas = [orjson.loads(c)["meta_info"] for c in chunks]
     assert len(metas) > 1
     for m in metas:
