@@ -67,8 +67,11 @@ class _ReplicaBlocks:
                     hi = mid
             deepest = chain[lo]
         run = self.runs[owner[deepest]]
-        top = run.top
-        if top > len(chain) or run.chain[:top] != chain[:top]:
+        top, held = run.top, run.chain
+        if top > len(chain):
+            return None
+        # (a run usually covers its whole chain: then that is compared, not a copy of it)
+        if (held if top == len(held) else held[:top]) != (chain if top == len(chain) else chain[:top]):
             return None
         return run
 
