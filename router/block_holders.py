@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import repeat
 
 
@@ -44,27 +44,29 @@ class BlockHolders:
         if bit is None:
             bit = self._claim_slot(replica)
         masks = self._masks
-        added = {b: held | bit for b, held in zip(blocks, map(masks.get, blocks, repeat(0)))
-                 if not held & bit}
+        if masks.keys().isdisjoint(blocks):  # the usual case, blocks nobody holds: no Python loop
+            before = len(masks)
+            masks.update(zip(blocks, repeat(bit)))
+            self._held[replica] += len(masks) - before
+            return
+        added = {b: h | bit for b, h in zip(blocks, map(masks.get, blocks, repeat(0))) if not h & bit}
         masks.update(added)
         self._held[replica] += len(added)
 
-    def discard_many(self, blocks: Iterable[int], replica: str) -> None:
-        """`discard` of each block (each named once): one pass, for an eviction's blocks."""
+    def discard_many(self, blocks: Sequence[int], replica: str) -> None:
+        """`discard` of each block (each named once): for an eviction's blocks, taken out
+        without a Python loop when the replica is their only holder (the usual case), else
+        put back without its bit."""
         bit = self._bits.get(replica)
         if bit is None:
             return
         masks = self._masks
-        get = masks.get
-        gone = 0
-        for block in blocks:
-            held = get(block, 0)
-            if held & bit:
-                gone += 1
-                if held == bit:
-                    del masks[block]
-                else:
-                    masks[block] = held ^ bit
+        held = list(map(masks.pop, blocks, repeat(0)))
+        gone = held.count(bit)
+        if gone < len(held):  # blocks others hold too, or not this replica's: put back
+            back = {b: h & ~bit for b, h in zip(blocks, held) if h != bit and h}
+            masks.update(back)
+            gone += sum(1 for h in held if h != bit and h & bit)
         if gone:
             self._held[replica] -= gone
             if not self._held[replica]:

@@ -17,7 +17,7 @@ Synchronous and lock-free: the event loop is the only writer.
 from __future__ import annotations
 
 from collections.abc import KeysView, Sequence
-from itertools import count
+from itertools import count, repeat
 
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
@@ -165,15 +165,15 @@ class ShadowKVIndex:
         changes with them, so their order does not matter; those other runs hold go one by one."""
         owner, rid = state.owner, run.rid
         new = run.chain[start:]
-        held = list(map(owner.__contains__, new))
-        if any(held):
+        if not owner.keys().isdisjoint(new):
+            held = list(map(owner.__contains__, new))
             take = self._take
             for i in range(len(new) - 1, -1, -1):  # leaf first, as SGLang touches them
                 if held[i]:
                     take(state, replica, run, new[i], start + i)
             new = [block for block, taken in zip(new, held) if not taken]
         before = len(owner)
-        owner.update(dict.fromkeys(new, rid))
+        owner.update(zip(new, repeat(rid)))
         run.held += len(owner) - before  # a hash twice in the chain is held once
         self._holders.add_many(new, replica)
 
@@ -202,7 +202,6 @@ class ShadowKVIndex:
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
         excess = len(state.owner) - limit
         owner, runs, discard_many = state.owner, state.runs, self._holders.discard_many
-        get = owner.get
         while excess > 0:  # the least recent run, its deepest blocks first
             run = next(iter(runs.values()))
             chain, rid, top = run.chain, run.rid, run.top
@@ -210,9 +209,13 @@ class ShadowKVIndex:
                 # The next `excess` positions up from the deepest left: the run's own blocks
                 # among them all go (fewer than `excess` if others took some: then on down).
                 low = max(0, top - excess)
-                gone = dict.fromkeys([b for b in chain[low:top] if get(b) == rid])
-                for block in gone:
-                    del owner[block]
+                below = chain[low:top]
+                owners = list(map(owner.pop, below, repeat(None)))  # a repeated hash: None the 2nd time
+                if owners.count(rid) == len(below):  # all the run's: no Python loop
+                    gone = below
+                else:  # others' go back
+                    owner.update({b: o for b, o in zip(below, owners) if o is not None and o != rid})
+                    gone = [b for b, o in zip(below, owners) if o == rid]
                 discard_many(gone, replica)
                 run.held -= len(gone)
                 excess -= len(gone)
