@@ -7,12 +7,16 @@ KV capacity, nothing else) and two
 client sends, one request at a time on a keep-alive connection, batches of
 
   small     a 1 KB chat request (a new conversation each time);
+  small-keyed  the same with an `x-session-id` header (a new session each time): the
+            baseline of `keyed`, since a session key costs the same whatever the prompt's size;
   append    the next turn of one of `--sessions` conversations that start at ~400 KB: the previous
             prompt plus an assistant reply and a user message (~2 KB), no session key;
   keyed     the same with an `x-session-id` header (other conversations);
 
 to each router, in rotating order so machine noise hits all alike, and reads each router
-process's CPU time (/proc utime + stime) around every batch. The upstream reports a KV capacity
+process's CPU time around every batch: /proc utime + stime (clock ticks, 10 ms) and the
+scheduler's own account in nanoseconds (/proc/PID/task/*/schedstat), which a batch of 50 requests
+resolves to well under a microsecond. The upstream reports a KV capacity
 (`--capacity-tokens`) that holds all the conversations, so the shadow index sees each turn as an
 append to what the replica caches, not a prompt its LRU evicted since the last turn. Streaming
 requests without `stream_options`, as coding agents send them (the router asks for the usage
@@ -56,6 +60,15 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / _TICK, int(fields[12]) / _TICK
 
 
+def runtime_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` in nanoseconds, from the scheduler's account."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total
+
+
 def body(messages: list[dict[str, str]]) -> bytes:
     return orjson.dumps({"model": "bench", "messages": messages, "stream": True, "max_tokens": 4})
 
@@ -92,7 +105,7 @@ def main() -> int:
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
-    kinds = ("small", "append", "keyed")
+    kinds = ("small", "small-keyed", "append", "keyed")
     routers = ("kvrouter", "kvrouter-whole-hash")
     # Each router gets its own conversations (a router's chain store only sees its own traffic).
     convs = {(r, k): [Conversation(rng, args.start_kb * 1000, int(args.turn_kb * 1000))
@@ -103,8 +116,9 @@ def main() -> int:
     def request(router: str, kind: str) -> tuple[bytes, dict[str, str]]:
         n = counters[router, kind]
         counters[router, kind] += 1
-        if kind == "small":
-            return body([{"role": "user", "content": f"{n} " + code_text(rng, 1000)}]), {}
+        if kind in ("small", "small-keyed"):
+            payload = body([{"role": "user", "content": f"{n} " + code_text(rng, 1000)}])
+            return payload, ({"x-session-id": f"{router}-small-{n}"} if kind == "small-keyed" else {})
         session = n % args.sessions
         payload = body(convs[router, kind][session].next_turn())
         return payload, ({"x-session-id": f"{router}-{session}"} if kind == "keyed" else {})
@@ -114,6 +128,7 @@ def main() -> int:
     result: dict[str, Any] = {"command": portable_command(sys.argv), "machine": machine(),
                               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": vars(args)}
     cpu = {(r, k): [0.0, 0.0] for r in routers for k in kinds}  # user, system
+    runtime = {(r, k): 0 for r in routers for k in kinds}  # ns, schedstat
     latency: dict[tuple[str, str], list[float]] = {(r, k): [] for r in routers for k in kinds}
     sizes: dict[str, list[int]] = {k: [] for k in kinds}
     with contextlib.ExitStack() as stack:
@@ -137,8 +152,10 @@ def main() -> int:
                 batch = [request(router, kind) for _ in range(args.batch)]
                 sizes[kind].extend(len(p) for p, _ in batch)
                 user, system = cpu_times(pids[router])
+                ran = runtime_ns(pids[router])
                 for payload, headers in batch:
                     latency[router, kind].append(clients[router].send(payload, headers))
+                runtime[router, kind] += runtime_ns(pids[router]) - ran
                 user_after, system_after = cpu_times(pids[router])
                 cpu[router, kind][0] += user_after - user
                 cpu[router, kind][1] += system_after - system
@@ -148,21 +165,30 @@ def main() -> int:
         rows[router] = {kind: {"cpu_us_per_request": sum(cpu[router, kind]) / n * 1e6,
                                "user_us_per_request": cpu[router, kind][0] / n * 1e6,
                                "system_us_per_request": cpu[router, kind][1] / n * 1e6,
+                               "runtime_us_per_request": runtime[router, kind] / n / 1e3,
                                "latency_p50_ms": statistics.median(latency[router, kind]) * 1e3,
                                "requests": n} for kind in kinds}
-        small = rows[router]["small"]["cpu_us_per_request"]
-        for kind in ("append", "keyed"):
-            rows[router][kind]["ratio_to_small"] = (rows[router][kind]["cpu_us_per_request"] / small
-                                               if small else float("nan"))
+        for measure, suffix in (("cpu_us_per_request", ""), ("runtime_us_per_request", "_runtime")):
+            small = rows[router]["small"][measure]
+            for kind in ("append", "keyed"):
+                rows[router][kind]["ratio_to_small" + suffix] = (
+                    rows[router][kind][measure] / small if small else float("nan"))
+            small_keyed = rows[router]["small-keyed"][measure]
+            rows[router]["keyed"]["ratio_to_small_keyed" + suffix] = (
+                rows[router]["keyed"][measure] / small_keyed if small_keyed else float("nan"))
     result["request_bytes"] = {k: {"min": min(v), "max": max(v)} for k, v in sizes.items()}
     result["routers"] = rows
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     for router in routers:
+        row = rows[router]
         print(f"{router:20} " + "  ".join(
-            f"{k} {rows[router][k]['cpu_us_per_request']:.0f} us/req"
-            f" (user {rows[router][k]['user_us_per_request']:.0f}; p50 {rows[router][k]['latency_p50_ms']:.2f} ms)"
-            + (f" {rows[router][k]['ratio_to_small']:.2f}x small" if k != "small" else "")
-            for k in kinds))
+            f"{k} {row[k]['cpu_us_per_request']:.0f} us/req"
+            f" (user {row[k]['user_us_per_request']:.0f}; runtime {row[k]['runtime_us_per_request']:.0f};"
+            f" p50 {row[k]['latency_p50_ms']:.2f} ms)"
+            + (f" {row[k]['ratio_to_small']:.2f}x small (runtime {row[k]['ratio_to_small_runtime']:.2f}x)"
+               if k in ("append", "keyed") else "")
+            for k in kinds)
+            + f"  keyed/small-keyed runtime {row['keyed']['ratio_to_small_keyed_runtime']:.2f}x")
     print(f"request bytes: {result['request_bytes']}; load average start {result['machine']['loadavg_at_start']}"
           f" end {result['machine']['loadavg_at_end']}")
     if args.json:

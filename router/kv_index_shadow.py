@@ -17,7 +17,7 @@ Synchronous and lock-free: the event loop is the only writer.
 from __future__ import annotations
 
 from collections.abc import KeysView, Sequence
-from itertools import count
+from itertools import count, repeat
 
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
@@ -67,8 +67,11 @@ class _ReplicaBlocks:
                     hi = mid
             deepest = chain[lo]
         run = self.runs[owner[deepest]]
-        top = run.top
-        if top > len(chain) or run.chain[:top] != chain[:top]:
+        top, held = run.top, run.chain
+        if top > len(chain):
+            return None
+        # (a run usually covers its whole chain: then that is compared, not a copy of it)
+        if (held if top == len(held) else held[:top]) != (chain if top == len(chain) else chain[:top]):
             return None
         return run
 
@@ -150,12 +153,29 @@ class ShadowKVIndex:
             old_top = run.top
             lost = sorted((i for i in run.lost if i < old_top), reverse=True)
             run.chain, run.top, run.lost = chain, count, set()
+            self._take_new(state, replica, run, old_top)
             take = self._take
-            for i in range(count - 1, old_top - 1, -1):  # leaf first, as SGLang touches them
-                take(state, replica, run, chain[i], i)
             for i in lost:  # its blocks other prompts touched since: this one is newer
                 take(state, replica, run, chain[i], i)
         self._evict(replica)
+
+    def _take_new(self, state: _ReplicaBlocks, replica: str, run: _Run, start: int) -> None:
+        """`_take` of `run.chain[start:]`, leaf first. The blocks no run holds (most of them, a
+        whole prompt's after its conversation was evicted) are taken in one pass: nothing else
+        changes with them, so their order does not matter; those other runs hold go one by one."""
+        owner, rid = state.owner, run.rid
+        new = run.chain[start:]
+        if not owner.keys().isdisjoint(new):
+            held = list(map(owner.__contains__, new))
+            take = self._take
+            for i in range(len(new) - 1, -1, -1):  # leaf first, as SGLang touches them
+                if held[i]:
+                    take(state, replica, run, new[i], start + i)
+            new = [block for block, taken in zip(new, held) if not taken]
+        before = len(owner)
+        owner.update(zip(new, repeat(rid)))
+        run.held += len(owner) - before  # a hash twice in the chain is held once
+        self._holders.add_many(new, replica)
 
     def _take(self, state: _ReplicaBlocks, replica: str, run: _Run, block: int, index: int) -> None:
         """`block`, at `index` of `run`'s chain, is now recorded by `run`."""
@@ -181,21 +201,26 @@ class ShadowKVIndex:
             return
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
         excess = len(state.owner) - limit
-        owner, runs, discard = state.owner, state.runs, self._holders.discard
+        owner, runs, discard_many = state.owner, state.runs, self._holders.discard_many
         while excess > 0:  # the least recent run, its deepest blocks first
             run = next(iter(runs.values()))
-            chain, rid, i = run.chain, run.rid, run.top - 1
-            while excess > 0 and i >= 0:
-                block = chain[i]
-                if owner.get(block) == rid:
-                    del owner[block]
-                    discard(block, replica)
-                    run.held -= 1
-                    excess -= 1
-                    if not run.held:
-                        break
-                i -= 1
-            run.top = i + 1
+            chain, rid, top = run.chain, run.rid, run.top
+            while excess > 0 and top > 0 and run.held > 0:
+                # The next `excess` positions up from the deepest left: the run's own blocks
+                # among them all go (fewer than `excess` if others took some: then on down).
+                low = max(0, top - excess)
+                below = chain[low:top]
+                owners = list(map(owner.pop, below, repeat(None)))  # a repeated hash: None the 2nd time
+                if owners.count(rid) == len(below):  # all the run's: no Python loop
+                    gone = below
+                else:  # others' go back
+                    owner.update({b: o for b, o in zip(below, owners) if o is not None and o != rid})
+                    gone = [b for b, o in zip(below, owners) if o == rid]
+                discard_many(gone, replica)
+                run.held -= len(gone)
+                excess -= len(gone)
+                top = low
+            run.top = top
             if run.held <= 0:
                 del runs[rid]
             elif run.top < len(chain) // 2:

@@ -287,9 +287,9 @@ class Relay:
                     decide_ns = time.time_ns() if trace is not None else 0
                     placement = current.retry()
                     continue
+                # Only a request it serves leaves its prompt cached (and reports usage): `_relay`
+                # records it once the answer's first bytes are on their way to the client.
                 served = 200 <= upstream.status < 300
-                if served:  # only a request it serves leaves its prompt cached (and reports usage)
-                    current.accepted()
                 usage.placement = current if served else None
                 return await self._relay(request, upstream, current, request_id, sent, usage)
             finally:
@@ -313,6 +313,7 @@ class Relay:
         usage: UsageAccount,
     ) -> Answer:
         url = attempt.url
+        served = usage.placement is attempt  # else not served, or a PD prefill's (recorded)
         headers = end_to_end(upstream.headers, self._no_drop)
         headers[REQUEST_ID] = request_id
         if self.replica_header:
@@ -340,10 +341,14 @@ class Relay:
                     )
                 self._first_byte(attempt, url, sent, streamed=False)
             if whole:
+                if served:
+                    attempt.accepted()
                 usage.read_body(first)
                 return WholeResponse(upstream.status, first, headers)
             return await self._stream(request, upstream, attempt, headers, sse, sent, usage, first)
         finally:
+            if served:  # (the stream's first write did it, unless none was made)
+                attempt.accepted()
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
     def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
@@ -418,6 +423,9 @@ class Relay:
         watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
         keep_last = sse and usage.placement is not None and usage.route == "/generate"
         before = last = b""
+        # A long prompt's record in the KV index costs up to milliseconds: after the first
+        # bytes are written, not in the time to first token.
+        accept = attempt.accepted if usage.placement is attempt else None
         held = b""  # the body's last bytes, once the replica has sent its end: they go out
         # with the response's end (the empty chunk) in one write, not two
         try:
@@ -464,6 +472,9 @@ class Relay:
                     break
                 if out:
                     await write(out)
+                    if accept is not None:
+                        accept()
+                        accept = None
                 chunk = await readany()
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)

@@ -137,3 +137,49 @@ async def test_retry_moves_a_new_sessions_home_to_the_replica_that_served_it(
                 served = resp.headers["x-kvrouter-replica"]
             assert served == good
             assert router.table.entry(key).home == good  # its KV is there, so is its home
+
+
+async def test_a_served_prompt_is_recorded_after_the_first_bytes_are_written(
+        start_app, start_router, monkeypatch):
+    """The KV index record of a long prompt costs up to milliseconds: it follows the first
+    write to the client (it is not in the time to first token), and is in place while the
+    stream goes on; a whole answer's is in place when the client has it."""
+    from kvrouter.router import data_http
+
+    events: list[str] = []
+    write = data_http.StreamResponse.write
+
+    async def logged_write(self, data: bytes) -> None:
+        events.append("write")
+        await write(self, data)
+
+    monkeypatch.setattr(data_http.StreamResponse, "write", logged_write)
+    hold = asyncio.Event()
+    up = FakeUpstream(chunks=3, hold_after_first=hold)
+    replica = await start_app(up.app())
+    router, router_url = await start_router([replica])
+    index = router.engine.index
+    record = index.record
+    monkeypatch.setattr(index, "record", lambda *args: (events.append("record"), record(*args)))
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "x" * 20_000}]}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(router_url + "/v1/chat/completions", json=long_chat) as resp:
+            assert resp.status == 200
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+            assert events[:2] == ["write", "record"]
+            assert len(index.held_blocks(replica)) > 0  # held while the stream goes on
+            hold.set()
+            await resp.read()
+        events.clear()
+        whole = {**long_chat, "messages": [{"role": "user", "content": "y" * 20_000}], "stream": False}
+        async with client.post(router_url + "/v1/chat/completions", json=whole) as resp:
+            assert resp.status == 200
+            await resp.read()
+            assert events == ["record"]
+        events.clear()
+        up.chunks = 0  # a stream of its end alone: recorded all the same
+        empty = {**long_chat, "messages": [{"role": "user", "content": "z" * 20_000}]}
+        async with client.post(router_url + "/v1/chat/completions", json=empty) as resp:
+            assert resp.status == 200
+            await resp.read()
+            assert "record" in events

@@ -123,12 +123,40 @@ def test_an_extended_prompt_costs_its_new_blocks_only():
     conversations = [system + chain([0] * 20 + [1 + c] * 1500)[20:] for c in range(2)]
     for conversation in conversations:
         index.record("r", conversation)
-    touched = []
-    take = index._take
+    touched: list[int] = []
+    take, take_new = index._take, index._take_new
     index._take = lambda state, replica, run, block, i: (touched.append(i), take(state, replica, run, block, i))
+    index._take_new = lambda state, replica, run, start: (
+        touched.extend(range(start, len(run.chain))), take_new(state, replica, run, start))
     longer = conversations[0] + chain([0] * 20 + [1] * 1505)[1520:]
     assert len(longer) == 1525
     index.record("r", longer)
     # the 5 new blocks, and the 20 system-prompt blocks the other conversation touched since
     assert sorted(touched) == list(range(20)) + list(range(1520, 1525))
     assert index.match(longer) == {"r": 1525 * BLOCK_TOKENS}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(replicas, st.lists(st.integers(0, 12), max_size=30), st.integers(1, 40)),
+                max_size=40))
+def test_books_balance_with_repeated_and_shared_hashes(ops):
+    """Chains that repeat a hash or share blocks anywhere (not chained: a collision, or a
+    caller's own ids): the blocks taken and evicted in one pass keep every count in step."""
+    index = ShadowKVIndex(BLOCK_TOKENS, default_capacity_tokens=20 * BLOCK_TOKENS)
+    for replica, blocks, capacity in ops:
+        index.record(replica, blocks)
+        if capacity % 7 == 0:
+            index.set_capacity(replica, capacity * BLOCK_TOKENS)
+        for name in ("r0", "r1", "r2"):
+            state = index._replicas.get(name)
+            owner = state.owner if state is not None else {}
+            held = {b for b, mask in index._holders._masks.items()
+                    if name in index._holders.replicas(mask)}
+            assert held == set(owner)
+            assert index._holders._held.get(name, 0) == len(owner)
+            if state is not None:
+                assert sum(run.held for run in state.runs.values()) == len(owner)
+                assert all(run.held > 0 for run in state.runs.values())
+                assert all(state.runs[rid].chain[:state.runs[rid].top].count(b)
+                           for b, rid in owner.items())
+                assert len(owner) <= index._capacity_blocks.get(name, 20)
