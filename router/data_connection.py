@@ -58,9 +58,8 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._url = b""
-        self._raw_headers: list[tuple[str, str]] = []
+        self._raw_headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
-        self._singletons: set[str] | None = None  # the single-valued headers seen so far
         self._parsing: Request | None = None
         self._queue: deque[Request] = deque()
         self._serving: Request | None = None
@@ -137,7 +136,6 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._raw_headers = []
         self._header_bytes = 0
-        self._singletons = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -149,18 +147,10 @@ class Connection(asyncio.Protocol):
         self._header_bytes += size
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
-        if len(self._raw_headers) >= _MAX_HEADER_COUNT:
+        raw = self._raw_headers
+        if len(raw) >= _MAX_HEADER_COUNT:
             raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
-        key = name.decode("latin-1")
-        lower = key.lower()
-        if lower in _SINGLETONS:
-            seen = self._singletons
-            if seen is None:
-                seen = self._singletons = set()
-            elif lower in seen:  # which one counts is ambiguous: refused
-                raise _Malformed(400, f"duplicate {key} header")
-            seen.add(lower)
-        self._raw_headers.append((key, value.decode("latin-1")))
+        raw.append((name, value))  # decoded, and checked for repeats, once all have come
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -177,9 +167,14 @@ class Connection(asyncio.Protocol):
         raw_path = raw_path_qs.partition("?")[0]
         path = unquote(raw_path) if "%" in raw_path else raw_path
         version = (1, 1) if parser.get_http_version() == "1.1" else (1, 0)
+        headers = CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers])
+        # The single-valued fields present, found by a (C, case-insensitive) key-view
+        # intersection: only those few are counted.
+        for name in headers.keys() & _SINGLETONS:
+            if len(headers.getall(name)) > 1:  # which one counts is ambiguous: refused
+                raise _Malformed(400, f"duplicate {name} header")
         request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
-                          CIMultiDictProxy(CIMultiDict(self._raw_headers)), version,
-                          parser.should_keep_alive())
+                          CIMultiDictProxy(headers), version, parser.should_keep_alive())
         self._parsing = request
         coding = request.headers.get("Transfer-Encoding")
         if coding is not None and coding.rpartition(",")[2].strip().lower() != "chunked":
