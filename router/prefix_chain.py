@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .prefix import chain_block_hashes, chat_parts, plain_part, render_part
+from .prefix import chain_block_hashes, chat_parts, namespace, plain_part, render_part
 
 # Bytes before a boundary that name it in the index (the whole stored prompt is compared anyway).
 _TAIL_BYTES = 32
@@ -141,17 +141,20 @@ class PrefixChains:
         self._keep(_Chain(data, hasher, hashes, (ns, session) if session else None), ns, block_chars)
         return hashes
 
-    def chat_block_hashes(self, body: dict[str, Any], ns: bytes, block_chars: int,
+    def chat_block_hashes(self, body: dict[str, Any], ns: bytes | None, block_chars: int,
                           session: str | None = None) -> tuple[tuple[int, ...], int]:
         """`text_block_hashes(prompt_bytes(chat route, body), ns, block_chars)` and the prompt's
         length, rendering only the messages after the longest stored chat prompt found (by
-        `session`, or by its message count and last message) that this one extends."""
+        `session`, or by its message count and last message) that this one extends. `ns` None:
+        the body's own `namespace` (made only if a block is hashed)."""
         parts = chat_parts(body)
         short = self._short_chat(parts)
         if short is not None:
             length = len(short)
             if length < block_chars:  # not one whole block: nothing to hash
                 return (), length
+            if ns is None:
+                ns = namespace(body)
             return chain_block_hashes(hashlib.blake2b(ns, digest_size=8), short, 0, block_chars, ())[1], length
         renders: dict[int, bytes] = {}
 
@@ -161,6 +164,8 @@ class PrefixChains:
                 out = renders[i] = render_part(parts[i])
             return out
 
+        if ns is None:
+            ns = namespace(body)
         found = self._find_chat(parts, render, ns, block_chars, session) if self.max_bytes > 0 else None
         start = len(found.parts) if found is not None else 0
         suffix = b"".join([render(i) for i in range(start, len(parts))])

@@ -202,3 +202,13 @@ def test_a_short_chat_prompt_is_hashed_whole_with_no_lookup_and_not_kept(monkeyp
     data = prompt_bytes_and_boundaries(CHAT, body)[0]
     assert chains.chat_block_hashes(body, b"ns", BLOCK, "s") == (full(body), len(data))
     assert len(chains) == 1
+
+
+def test_a_chat_prompt_without_a_given_namespace_is_hashed_in_its_body_s_own():
+    from kvrouter.router.prefix import namespace
+
+    for contents in (("hi",), ("x" * 300,), ("y" * 5000, "z" * 40)):
+        body = {**conversation(*contents), "cache_salt": "s1"}
+        data = prompt_bytes_and_boundaries(CHAT, body)[0]
+        expected = (text_block_hashes(data, namespace(body), BLOCK), len(data))
+        assert PrefixChains(max_bytes=1 << 20, min_bytes=512).chat_block_hashes(body, None, BLOCK) == expected
