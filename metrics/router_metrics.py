@@ -346,7 +346,8 @@ class RouterMetrics:
         pending[key] = pending.get(key, 0.0) + amount
 
     def observe(self, metric: Any, values: tuple[str, ...], amount: float) -> None:
-        """`metric.labels(*values).observe(amount)` for a Histogram, deferred."""
+        """`metric.labels(*values).observe(amount)` for a Histogram (`metric.observe(amount)`
+        without labels), deferred."""
         key = (metric, values)
         totals = self._pending_histograms.get(key)
         bounds = metric._upper_bounds  # ascending, ending in +Inf, as the histogram's own
@@ -364,7 +365,7 @@ class RouterMetrics:
             (self.child(metric, *values) if values else metric).inc(amount)
         histograms, self._pending_histograms = self._pending_histograms, {}
         for (metric, values), totals in histograms.items():
-            child = self.child(metric, *values)
+            child = self.child(metric, *values) if values else metric
             child._sum.inc(totals[0])
             for bucket, n in zip(child._buckets, totals[1:]):
                 if n:

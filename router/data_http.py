@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 if TYPE_CHECKING:
-    from .data_server import _Connection
+    from .data_connection import Connection
 
 Answer = Union[web.StreamResponse, "StreamResponse", "WholeResponse"]  # what a data-port handler returns
 
@@ -51,7 +51,7 @@ class Request:
     __slots__ = ("method", "path", "rel_url", "headers", "version", "keep_alive", "_conn",
                  "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
 
-    def __init__(self, conn: _Connection, method: str, path: str, raw_path_qs: str,
+    def __init__(self, conn: Connection, method: str, path: str, raw_path_qs: str,
                  headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool) -> None:
         self.method = method
         self.path = path
@@ -116,7 +116,7 @@ class StreamResponse:
     def __init__(self, *, status: int = 200, headers: Iterable[tuple[str, str]] | None = None) -> None:
         self.status = status
         self.headers: CIMultiDict[str] = CIMultiDict(headers or ())
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._head: bytes | None = None
         self._chunked = True
         self._bodiless = False

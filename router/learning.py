@@ -129,12 +129,12 @@ class UsageLearner:
         if predicted_cached is None:
             return
         m = self.metrics
-        if m is not None:
-            m.child(m.cached_predicted, replica).inc(predicted_cached)
-            m.child(m.cached_reported, replica).inc(report.cached_tokens)
+        if m is not None:  # deferred counts (RouterMetrics.count): a dict add each
+            m.count(m.cached_predicted, (replica,), predicted_cached)
+            m.count(m.cached_reported, (replica,), report.cached_tokens)
             if report.prompt_tokens:
-                m.cache_prediction_error.observe(
-                    (report.cached_tokens - predicted_cached) / report.prompt_tokens)
+                m.observe(m.cache_prediction_error, (),
+                          (report.cached_tokens - predicted_cached) / report.prompt_tokens)
         if self.index is not None and prefix_blocks:
             self._correct(replica, report, predicted_cached)
 

@@ -25,12 +25,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .prefix import chain_block_hashes, chat_parts, plain_part, render_part
+from .prefix import chain_block_hashes, chat_parts, namespace, plain_part, render_part
 
 # Bytes before a boundary that name it in the index (the whole stored prompt is compared anyway).
 _TAIL_BYTES = 32
 # Message boundaries tried per keyless request, newest first: a turn adds a few messages.
 _MAX_BOUNDARY_TRIES = 32
+_SHORT_PARTS = 4  # a chat prompt of at most this many messages is checked for being short
 # Per stored block hash: the tuple slot and the int object, roughly.
 _BYTES_PER_HASH = 48
 _MAX_SESSIONS = 1 << 16
@@ -140,12 +141,21 @@ class PrefixChains:
         self._keep(_Chain(data, hasher, hashes, (ns, session) if session else None), ns, block_chars)
         return hashes
 
-    def chat_block_hashes(self, body: dict[str, Any], ns: bytes, block_chars: int,
+    def chat_block_hashes(self, body: dict[str, Any], ns: bytes | None, block_chars: int,
                           session: str | None = None) -> tuple[tuple[int, ...], int]:
         """`text_block_hashes(prompt_bytes(chat route, body), ns, block_chars)` and the prompt's
         length, rendering only the messages after the longest stored chat prompt found (by
-        `session`, or by its message count and last message) that this one extends."""
+        `session`, or by its message count and last message) that this one extends. `ns` None:
+        the body's own `namespace` (made only if a block is hashed)."""
         parts = chat_parts(body)
+        short = self._short_chat(parts)
+        if short is not None:
+            length = len(short)
+            if length < block_chars:  # not one whole block: nothing to hash
+                return (), length
+            if ns is None:
+                ns = namespace(body)
+            return chain_block_hashes(hashlib.blake2b(ns, digest_size=8), short, 0, block_chars, ())[1], length
         renders: dict[int, bytes] = {}
 
         def render(i: int) -> bytes:
@@ -154,6 +164,8 @@ class PrefixChains:
                 out = renders[i] = render_part(parts[i])
             return out
 
+        if ns is None:
+            ns = namespace(body)
         found = self._find_chat(parts, render, ns, block_chars, session) if self.max_bytes > 0 else None
         start = len(found.parts) if found is not None else 0
         suffix = b"".join([render(i) for i in range(start, len(parts))])
@@ -180,6 +192,23 @@ class PrefixChains:
         if parts:
             self._keep_at(_chat_key(ns, block_chars, len(parts), render(len(parts) - 1)), chain)
         return hashes, length
+
+    def _short_chat(self, parts: list[Any]) -> bytes | None:
+        """The whole rendered prompt of a chat request of a few short plain messages, when it
+        is under `min_bytes`; else None. Such a prompt is hashed whole and not kept, with no
+        lookup: it cannot extend a kept one (those are `min_bytes` long or more)."""
+        if len(parts) > _SHORT_PARTS:
+            return None
+        chars = 0
+        for part in parts:
+            content = part.get("content") if type(part) is dict else None
+            if type(content) is not str:
+                return None
+            chars += len(content)
+        if chars >= self.min_bytes:  # (no render yet: a long prompt is rendered only as needed)
+            return None
+        rendered = b"".join([render_part(part) for part in parts])
+        return rendered if len(rendered) < self.min_bytes else None
 
     def _find_chat(self, parts: list[Any], render: Callable[[int], bytes], ns: bytes,
                    block_chars: int, session: str | None) -> "_ChatChain | None":

@@ -2,6 +2,9 @@
 
 Every change replaces that replica's frozen `ReplicaView`; a snapshot is the tuple of current
 views, rebuilt only after a change, so taking one per request is cheap even at 1000 replicas.
+In-flight counts (changed twice per request: dispatch and completion) reach a replica's view
+when it is next read (`snapshot`, `view`, any other change): a request that ended before the
+next decision leaves the view, and the snapshot, as they were.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class ReplicaRegistry:
         self._by_id = MappingProxyType(self._views)
         self._failures: dict[str, int] = {}
         self._snapshot: Snapshot | None = None
+        # In-flight (requests, prompt tokens) of replicas whose view does not carry them yet.
+        self._in_flight: dict[str, tuple[int, int]] = {}
         # Fleet aggregates kept up to date on every change, so snapshots need no scan.
         self._healthy_load = 0
         self._healthy_count = 0
@@ -89,6 +94,7 @@ class ReplicaRegistry:
         view = self._views.pop(url, None)
         if view is None:
             return False
+        self._in_flight.pop(url, None)
         del self._loads[url]
         self._account(view, -1)
         self._failures.pop(url, None)
@@ -112,6 +118,8 @@ class ReplicaRegistry:
         return list(self._views)
 
     def view(self, url: str) -> ReplicaView | None:
+        if url in self._in_flight:
+            self._apply_in_flight(url)
         return self._views.get(url)
 
     def healthy(self, url: str) -> bool:
@@ -129,6 +137,9 @@ class ReplicaRegistry:
     def snapshot(self) -> Snapshot:
         """The current views. `by_id` is a read-only window on the live table: consistent with
         `replicas` for as long as a synchronous policy call lasts, which is all a policy gets."""
+        if self._in_flight:
+            for url in list(self._in_flight):
+                self._apply_in_flight(url)
         if self._snapshot is None:
             self._snapshot = Snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
@@ -137,6 +148,8 @@ class ReplicaRegistry:
         return self._snapshot
 
     def _update(self, url: str, **changes: Any) -> ReplicaView | None:
+        if url in self._in_flight:
+            self._apply_in_flight(url)
         view = self._views.get(url)
         if view is None:
             return None
@@ -176,24 +189,29 @@ class ReplicaRegistry:
     def dispatched(self, url: str, prompt_tokens: int) -> None:
         view = self._views.get(url)
         if view is not None:
-            self._update(
-                url,
-                in_flight=view.in_flight + 1,
-                in_flight_prompt_tokens=view.in_flight_prompt_tokens + prompt_tokens,
-            )
+            requests, tokens = self._in_flight.get(url) or (view.in_flight, view.in_flight_prompt_tokens)
+            self._set_in_flight(url, view, requests + 1, tokens + prompt_tokens)
             if self.on_in_flight is not None:
                 self.on_in_flight()
 
     def completed(self, url: str, prompt_tokens: int) -> None:
         view = self._views.get(url)
         if view is not None:
-            self._update(
-                url,
-                in_flight=max(0, view.in_flight - 1),
-                in_flight_prompt_tokens=max(0, view.in_flight_prompt_tokens - prompt_tokens),
-            )
+            requests, tokens = self._in_flight.get(url) or (view.in_flight, view.in_flight_prompt_tokens)
+            self._set_in_flight(url, view, max(0, requests - 1), max(0, tokens - prompt_tokens))
             if self.on_in_flight is not None:
                 self.on_in_flight()
+
+    def _set_in_flight(self, url: str, view: ReplicaView, requests: int, tokens: int) -> None:
+        """Note `url`'s in-flight counts; its view (and the snapshot) change when next read."""
+        if requests == view.in_flight and tokens == view.in_flight_prompt_tokens:
+            self._in_flight.pop(url, None)  # back to what the view says: nothing to rebuild
+        else:
+            self._in_flight[url] = (requests, tokens)
+
+    def _apply_in_flight(self, url: str) -> None:
+        requests, tokens = self._in_flight.pop(url)
+        self._update(url, in_flight=requests, in_flight_prompt_tokens=tokens)
 
     def set_peer_in_flight(self, url: str, requests: int) -> None:
         """The other routers' requests in flight on `url` (router/peer_share.py): counted in the

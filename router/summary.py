@@ -46,7 +46,7 @@ def summarize(
     if exact_blocks is not None:
         prompt_tokens, blocks = exact_blocks
     elif chains is not None and exact is None and route == "/v1/chat/completions":
-        blocks, text_bytes = chains.chat_block_hashes(body, namespace(body), config.block_chars, key)
+        blocks, text_bytes = chains.chat_block_hashes(body, None, config.block_chars, key)
         prompt_tokens = int(text_bytes / bytes_per_token)
     else:
         data, boundaries = prompt_bytes_and_boundaries(route, body)

@@ -224,3 +224,25 @@ async def test_more_headers_than_the_cap_is_a_json_431(start_app, start_router):
     writer.close()
     assert data.startswith(b"HTTP/1.1 431"), data[:200]
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["type"] == "request_too_large"
+
+
+async def test_a_single_valued_header_sent_twice_is_a_json_400_in_any_case(start_app, start_router):
+    upstream = FakeUpstream()
+    _, url = await start_router([await start_app(upstream.app())])
+    for twice in (b"Content-Type: application/json\r\ncontent-TYPE: text/plain",
+                  b"Authorization: Bearer a\r\nauthorization: Bearer b",
+                  b"User-Agent: a\r\nUser-Agent: a"):
+        reader, writer = await _open(url)
+        writer.write(_post(CHAT, twice))
+        data = await _read_all(reader)  # answered, then the connection closes
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 400"), data[:200]
+        error = orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]
+        assert "duplicate" in error["message"] and twice.split(b":")[0].decode().lower() \
+            in error["message"].lower()
+    # repeats of a field that may carry several values are kept, and the request served
+    reader, writer = await _open(url)
+    writer.write(_post(CHAT, b"Accept: a\r\nAccept: b", b"Connection: close"))
+    data = await _read_all(reader)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]

@@ -51,3 +51,16 @@ def test_deferred_gauge_moves_both_ways() -> None:
     m.count(m.in_flight, ("http://a:1",), 1)
     m.count(m.in_flight, ("http://a:1",), -1)
     assert m.registry.get_sample_value("kvrouter_replica_in_flight_requests", {"replica": "http://a:1"}) == 1
+
+
+def test_deferred_observations_of_an_unlabelled_histogram_fill_its_buckets() -> None:
+    deferred, immediate = RouterMetrics(), RouterMetrics()
+    for v in (-2.0, -0.3, 0.0, 0.02, 0.5, 3.0):
+        deferred.observe(deferred.cache_prediction_error, (), v)
+        immediate.cache_prediction_error.observe(v)
+
+    def samples(m: RouterMetrics) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for family in m.registry.collect()
+                if family.name == "kvrouter_cache_prediction_error_ratio"
+                for s in family.samples if not s.name.endswith("_created")]
+    assert samples(deferred) == samples(immediate) and len(samples(deferred)) == 12  # no _sum: negative buckets

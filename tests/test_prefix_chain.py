@@ -181,3 +181,34 @@ def test_a_chat_turn_renders_only_its_new_messages(monkeypatch):
         assert chains.chat_block_hashes(body, b"ns", BLOCK, session)[0] == full(body)
         # the two new messages, and the one before them (it names where the stored prompt ends)
         assert len(rendered) <= 3 and {"role": "user", "content": "next question " * 10} in rendered
+
+
+def test_a_short_chat_prompt_is_hashed_whole_with_no_lookup_and_not_kept(monkeypatch):
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=512)
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a prompt under min_bytes cannot extend a kept one: no lookup")
+
+    monkeypatch.setattr(chains, "_find_chat", no_lookup)
+    for contents in (("hi",), ("a" * 40, "b" * 60, "c" * 80), ("\u00e9" * 200,)):
+        body = conversation(*contents)
+        data = prompt_bytes_and_boundaries(CHAT, body)[0]
+        for session in ("s", None):
+            assert chains.chat_block_hashes(body, b"ns", BLOCK, session) == (full(body), len(data))
+    assert len(chains) == 0
+    # over min_bytes once rendered (multi-byte characters): the usual path, which keeps it
+    monkeypatch.undo()
+    body = conversation("\u00e9" * 300)
+    data = prompt_bytes_and_boundaries(CHAT, body)[0]
+    assert chains.chat_block_hashes(body, b"ns", BLOCK, "s") == (full(body), len(data))
+    assert len(chains) == 1
+
+
+def test_a_chat_prompt_without_a_given_namespace_is_hashed_in_its_body_s_own():
+    from kvrouter.router.prefix import namespace
+
+    for contents in (("hi",), ("x" * 300,), ("y" * 5000, "z" * 40)):
+        body = {**conversation(*contents), "cache_salt": "s1"}
+        data = prompt_bytes_and_boundaries(CHAT, body)[0]
+        expected = (text_block_hashes(data, namespace(body), BLOCK), len(data))
+        assert PrefixChains(max_bytes=1 << 20, min_bytes=512).chat_block_hashes(body, None, BLOCK) == expected

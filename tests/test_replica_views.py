@@ -51,3 +51,33 @@ def test_a_poll_that_repeats_the_gauges_keeps_the_view_and_snapshot():
     assert type(registry.view(A).token_usage) is int and registry.snapshot() is not snapshot
     registry.update_signals(A, None)  # stale: unknown again
     assert registry.view(A).num_running_reqs is None and registry.view(A).load == 0
+
+
+def test_a_request_that_ends_before_the_next_read_leaves_the_view_and_snapshot():
+    registry = ReplicaRegistry([A, B])
+    before = registry.snapshot()
+    registry.dispatched(A, 300)
+    registry.completed(A, 300)
+    assert registry.snapshot() is before  # nothing to rebuild
+    registry.dispatched(A, 300)
+    registry.dispatched(B, 50)
+    registry.completed(A, 300)
+    registry.dispatched(A, 20)
+    after = registry.snapshot()
+    assert after is not before
+    assert (after.get(A).in_flight, after.get(A).in_flight_prompt_tokens) == (1, 20)
+    assert (after.get(B).in_flight, after.get(B).in_flight_prompt_tokens) == (1, 50)
+    assert after.healthy_load == 2 and after.loads == (1, 1)
+    # every other way in sees the counts too: a view read, another change, a completion
+    registry.completed(A, 20)
+    assert registry.view(A).in_flight == 0 and registry.view(A).load == 0
+    registry.dispatched(B, 5)
+    registry.set_homed(B, 1, 10)
+    assert registry.view(B).in_flight == 2 and registry.view(B).homed_sessions == 1
+    registry.completed(B, 500)  # never below zero
+    registry.completed(B, 500)
+    registry.completed(B, 500)
+    assert (registry.view(B).in_flight, registry.view(B).in_flight_prompt_tokens) == (0, 0)
+    registry.dispatched(A, 1)
+    registry.remove(A)
+    assert registry.view(A) is None and [v.id for v in registry.snapshot().replicas] == [B]

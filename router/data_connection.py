@@ -1,0 +1,390 @@
+"""One data-port client connection: an asyncio Protocol whose requests are parsed by httptools
+(llhttp, the parser uvicorn uses) and answered one at a time, each whole answer in one transport
+write (router/data_server.py serves them).
+
+One request at a time per connection: requests a client pipelines are parsed as they arrive and
+served in order. A client that goes away cancels the handler of its request (the relay then
+aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
+error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
+streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
+first body bytes. HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
+gets no next pipelined answer until it drains the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from .data_http import Request, StreamResponse, WholeResponse, bodiless
+from .errors import error_response
+
+if TYPE_CHECKING:
+    from .data_server import DataServer
+
+log = logging.getLogger("kvrouter")
+
+_MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
+_MAX_HEADERS_TOTAL = 64 * 1024
+_MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones fit the byte bound
+_MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
+_QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
+_MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
+# Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
+_SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
+                         "content-type", "etag", "host", "max-forwards", "server",
+                         "transfer-encoding", "user-agent"})
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, serves them one at a time, keeps alive."""
+
+    def __init__(self, server: DataServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closing = False
+        self.must_close = False  # close once the response being written is done
+        self.upgraded = False  # the client asked for an upgrade: the parser stops there
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._url = b""
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._parsing: Request | None = None
+        self._queue: deque[Request] = deque()
+        self._serving: Request | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # loop time the connection became idle
+        self._reading_paused = False
+
+    # -- transport events -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.server.connections.add(self)
+        self._idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        self._cancel_timer()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: its handler (and the replica's work) ends
+        self._queue.clear()
+        for request in (self._parsing, self._serving):
+            if request is not None:
+                request._wake()
+        waiter = self._drain
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("client connection closed"))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiter = self._drain
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        if self.closing:
+            raise ConnectionResetError("client connection closed")
+        if self.write_paused:
+            self._drain = self.loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self.upgraded:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # No upgrades here: the request is answered as a plain one, then the connection
+            # closes (what follows an upgrade request is not HTTP).
+            self.upgraded = self.must_close = True
+            if self._serving is None and not self._queue:
+                self._close()
+        except httptools.HttpParserError as err:
+            cause = err.__context__  # what one of the callbacks below raised, if it was one
+            if isinstance(cause, _Malformed):
+                self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
+            else:
+                self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
+
+    # -- parser callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._raw_headers = []
+        self._header_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > _MAX_HEADER_BYTES:
+            raise _Malformed(431, "request target too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value)
+        self._header_bytes += size
+        if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
+            raise _Malformed(431, "request headers too large")
+        raw = self._raw_headers
+        if len(raw) >= _MAX_HEADER_COUNT:
+            raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
+        raw.append((name, value))  # decoded, and checked for repeats, once all have come
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = self._url
+        if url[:1] != b"/":  # absolute form (or "*"): only its path and query are ours
+            try:
+                parsed = httptools.parse_url(url)
+            except httptools.HttpParserInvalidURLError:
+                raise httptools.HttpParserError("invalid request target") from None
+            raw = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+        else:
+            raw = url
+        raw_path_qs = raw.decode("latin-1")
+        raw_path = raw_path_qs.partition("?")[0]
+        path = unquote(raw_path) if "%" in raw_path else raw_path
+        version = (1, 1) if parser.get_http_version() == "1.1" else (1, 0)
+        headers = CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers])
+        # The single-valued fields present, found by a (C, case-insensitive) key-view
+        # intersection: only those few are counted.
+        for name in headers.keys() & _SINGLETONS:
+            if len(headers.getall(name)) > 1:  # which one counts is ambiguous: refused
+                raise _Malformed(400, f"duplicate {name} header")
+        request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
+                          CIMultiDictProxy(headers), version, parser.should_keep_alive())
+        self._parsing = request
+        coding = request.headers.get("Transfer-Encoding")
+        if coding is not None and coding.rpartition(",")[2].strip().lower() != "chunked":
+            # No way to know where such a body ends (RFC 9112 section 6.3): refused, not read
+            # to the connection's close.
+            raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
+        length = request.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+            request._too_large = True
+        if self._serving is None:
+            self._serve(request)
+        else:
+            self._queue.append(request)
+            if len(self._queue) >= _MAX_PIPELINED and not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def on_body(self, body: bytes) -> None:
+        request = self._parsing
+        if request is None or request._too_large:
+            return
+        request._size += len(body)
+        if request._size > self.server.max_body_bytes:
+            request._too_large = True
+            request._chunks = []
+            request._wake()
+            return
+        request._chunks.append(body)
+        if request._size > _QUEUED_BODY_BYTES and self._serving not in (None, request) \
+                and not self._reading_paused:
+            # A request queued behind the one being served: nobody reads its body yet, and
+            # `_finished` resumes reading when its turn comes.
+            self._reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        request = self._parsing
+        if request is not None:
+            self._parsing = None
+            request._complete = True
+            request._wake()
+
+    # -- serving -----------------------------------------------------------------------------------
+    def _serve(self, request: Request) -> None:
+        self._idle_since = None  # a request is being served: the idle timer lets it be
+        self._serving = request
+        expect = request.expect
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                self._answer_now(request, error_response(
+                    417, "unsupported Expect header (only 100-continue)", "invalid_request_error",
+                    {"Connection": "close"}))
+                return
+            if request.version >= (1, 1) and not request._complete and not request._too_large:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
+        self._task = self.loop.create_task(self._run(request))
+
+    def _answer_now(self, request: Request, response: web.Response) -> None:
+        self.must_close = True
+        self._write_whole(request, response)
+        self._finished(request)
+
+    async def _run(self, request: Request) -> None:
+        try:
+            response = await self.server.dispatch(request)
+        except asyncio.CancelledError:
+            if self.closing:
+                return  # the client went away
+            raise
+        except ConnectionResetError:
+            return
+        except Exception:  # a bug must still answer in the API's shape, and never kill the loop
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = error_response(500, "internal router error", "internal_error")
+        if self.closing:
+            return
+        try:
+            if isinstance(response, StreamResponse):
+                if response._conn is None:
+                    await response.prepare(request)
+                if not response.eof_sent:
+                    await response.write_eof()
+            else:
+                self._write_whole(request, response)
+                if self.write_paused and not self.must_close:  # no next answer queued unread
+                    await self.drain()
+        except ConnectionResetError:
+            return
+        except Exception:  # an answer that cannot be written: the client still gets an end
+            log.exception("unwritable answer to %s %s", request.method, request.path)
+            if isinstance(response, StreamResponse) and response._conn is not None \
+                    and response._head is None:
+                self._close()  # its head and some body went out: closing ends it
+            else:
+                self._answer_now(request, error_response(500, "internal router error", "internal_error"))
+            return
+        self._finished(request)
+
+    def _write_whole(self, request: Request, response: web.StreamResponse | WholeResponse) -> None:
+        if self.closing:
+            return
+        body = response.body if isinstance(response, (WholeResponse, web.Response)) else None
+        if not isinstance(body, (bytes, bytearray)):
+            body = b""
+        keep = self.keeps_alive(request, response.headers) and response.keep_alive is not False
+        if request._too_large or not request._complete and request._size > 0:
+            keep = False  # what is left of the body is not worth reading
+        if not keep:
+            self.must_close = True
+        extra = b"Content-Length: %d\r\n" % len(body)  # for HEAD: the length GET would have
+        if bodiless(request.method, response.status):
+            body = b""
+            if request.method != "HEAD":
+                extra = b""  # 1xx, 204, 304: no body and no length
+        if keep and request.version < (1, 1):  # a 1.0 client assumes a close unless told
+            extra += b"Connection: keep-alive\r\n"
+        head = self.server.head(response.status, response.headers, extra, keep, response.reason)
+        self.transport.write(head + body)  # type: ignore[union-attr]
+
+    def keeps_alive(self, request: Request, headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> bool:
+        if self.must_close or self.server.stopping or not request.keep_alive:
+            return False
+        connection = headers.get("Connection")
+        return connection is None or connection.lower() != "close"
+
+    def _finished(self, request: Request) -> None:
+        self._serving = None
+        self._task = None
+        if not request._complete:  # answered before its body ended: the rest is read past
+            request._too_large = True  # (`on_body` keeps no more of it)
+            request._chunks = []
+        if self.must_close or self.closing:
+            self._close()
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self._queue:
+            self._serve(self._queue.popleft())
+        elif self.server.stopping:
+            self._close()
+        else:
+            self._idle()
+
+    def _protocol_error(self, status: int, message: str) -> None:
+        """The parser's state is unknown after a protocol error: answer (if nothing is being
+        answered now) and close."""
+        self._queue.clear()
+        self._parsing = None
+        serving = self._serving
+        if serving is not None:
+            self.must_close = True
+            if not serving._complete:  # the error is in its body: its reader learns it now
+                serving._malformed = message
+                serving._wake()
+            if self.transport is not None and not self.closing:
+                self.transport.pause_reading()
+            return
+        response = error_response(status, message, _MALFORMED_KINDS.get(status, "invalid_request_error"),
+                                  {"Connection": "close"})
+        body = response.body
+        assert isinstance(body, bytes)
+        head = self.server.head(status, response.headers, b"Content-Length: %d\r\n" % len(body),
+                                False, response.reason)
+        if self.transport is not None and not self.closing:
+            self.transport.write(head + body)
+        self._close()
+
+    # -- idle connections --------------------------------------------------------------------------
+    def _idle(self) -> None:
+        """No request being served: one must arrive (its headers complete) within the header
+        timeout, counted from now, or the connection is closed (bounds slowloris clients).
+        One timer outlives the requests of a keep-alive connection: serving one only clears
+        `_idle_since`, and the timer, when it fires, closes or sleeps until the next deadline
+        (no timer made and cancelled per request)."""
+        self._idle_since = now = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(now + self.server.header_timeout_s, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._timer = None
+        since = self._idle_since
+        if since is None:
+            return  # serving: the next `_idle` arms the timer again
+        due = since + self.server.header_timeout_s
+        if self.loop.time() >= due:
+            self._close()
+        else:
+            self._timer = self.loop.call_at(due, self._idle_check)
+
+    def _cancel_timer(self) -> None:
+        self._idle_since = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def idle(self) -> bool:
+        return self._serving is None and not self._queue
+
+    def _close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+
+class _Malformed(Exception):
+    """Raised by a parser callback: the request is answered `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
