@@ -173,27 +173,38 @@ class ReplicaRegistry:
             self._update(url, fresh=False)
 
     # -- in-flight accounting (dispatch and completion) -------------------------------------
-    def dispatched(self, url: str, prompt_tokens: int) -> None:
+    def dispatched(self, url: str, prompt_tokens: int, prefill_tokens: int = 0) -> None:
+        """A request was sent to `url`; `prefill_tokens` of its prompt are not cached there (they
+        stay pending until `prefill_answered`, or until `completed` if it ends before)."""
         view = self._views.get(url)
         if view is not None:
             self._update(
                 url,
                 in_flight=view.in_flight + 1,
                 in_flight_prompt_tokens=view.in_flight_prompt_tokens + prompt_tokens,
+                pending_prefill_tokens=view.pending_prefill_tokens + prefill_tokens,
             )
             if self.on_in_flight is not None:
                 self.on_in_flight()
 
-    def completed(self, url: str, prompt_tokens: int) -> None:
+    def completed(self, url: str, prompt_tokens: int, prefill_tokens: int = 0) -> None:
+        """A request on `url` ended; `prefill_tokens`: its pending prefill, if it never answered."""
         view = self._views.get(url)
         if view is not None:
             self._update(
                 url,
                 in_flight=max(0, view.in_flight - 1),
                 in_flight_prompt_tokens=max(0, view.in_flight_prompt_tokens - prompt_tokens),
+                pending_prefill_tokens=max(0, view.pending_prefill_tokens - prefill_tokens),
             )
             if self.on_in_flight is not None:
                 self.on_in_flight()
+
+    def prefill_answered(self, url: str, prefill_tokens: int) -> None:
+        """A request on `url` sent its first byte: its prefill is done, no longer work ahead."""
+        view = self._views.get(url)
+        if view is not None and prefill_tokens:
+            self._update(url, pending_prefill_tokens=max(0, view.pending_prefill_tokens - prefill_tokens))
 
     def set_peer_in_flight(self, url: str, requests: int) -> None:
         """The other routers' requests in flight on `url` (router/peer_share.py): counted in the
