@@ -97,7 +97,7 @@ class Placement:
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
                  "rank", "decode", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
-                 "_counted", "_registration", "_prefill_tokens")
+                 "_counted", "_registration", "_prefill_tokens", "sent_at")
 
     def __init__(
         self,
@@ -113,6 +113,7 @@ class Placement:
         self.engine = engine
         self.notes = notes  # with engine.explain or shadow policies on; else None
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
+        self.sent_at: float | None = None  # when the relay sent it (its clock), once it did
         self.usage: UsageReport | str | None = None  # as reported (or why not)
         self.error: str | None = None  # why this attempt failed (unreachable or broke off)
         self.summary = summary  # with the KV-index match filled in
