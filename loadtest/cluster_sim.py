@@ -367,6 +367,7 @@ class ClusterSimulator(SamplingMixin):
             return
         if isinstance(event, FirstToken):
             flight.first = event.time
+            flight.placement.prefill_answered()  # as the live relay does on the first byte
         elif isinstance(event, Finished):
             self._finish(event.rid, flight, ok=True, completion=event.completion_tokens,
                          cached=self._reported_cached(event))

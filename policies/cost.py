@@ -1,6 +1,8 @@
 """Expected time-to-first-token of a request on a replica: the quantity placement minimises.
 
-    cost = queueing + decode batch + prefill(uncached | cached prefix) + host load-back
+    cost = queueing (the polled queue, or the prefill this router sent there and has no first
+           byte of yet, whichever is longer) + decode batch + prefill(uncached | cached prefix)
+         + host load-back
          + KV pressure (token_usage past capacity_target)
          + KV demand (homed sessions' context / capacity) + homed sessions (their future load)
          + capacity penalty (homed KV past capacity_target)
@@ -46,6 +48,15 @@ class CostParams(BaseModel):
 
 def prefill_s(p: CostParams, uncached: int, cached: int) -> float:
     return uncached * (p.prefill_s_per_token + p.attn_s_per_token_pair * (cached + uncached / 2))
+
+
+def pending_prefill_s(p: CostParams, replica: ReplicaView) -> float:
+    """The prefill this router sent `replica` that has not answered yet, in seconds: a new
+    request there starts behind it. The replica's polled queue shows such a request only at the
+    next poll (and not at all while it is being prefilled), so without this two sessions' cold
+    first prefills could be stacked on one replica while another sits idle."""
+    tokens = replica.pending_prefill_tokens
+    return prefill_s(p, tokens, 0) if tokens > 0 else 0.0
 
 
 def expected_cost(
@@ -238,7 +249,12 @@ def _view_terms(model: _Model, replica: ReplicaView) -> tuple[object, ...]:
     load = replica.load
     queued = replica.num_queue_reqs or 0
     waiting = load - max_running if load - max_running > queued else queued
-    queueing = waiting * queue_s + (load if load < max_running else max_running) * p.decode_s_per_running
+    wait = waiting * queue_s
+    if replica.pending_prefill_tokens:  # both count the requests ahead: the longer one, once
+        pending = pending_prefill_s(p, replica)
+        if pending > wait:
+            wait = pending
+    queueing = wait + (load if load < max_running else max_running) * p.decode_s_per_running
     usage = replica.token_usage or 0.0
     pressure = queue_s * (usage - target) / (1.0 - target + 1e-9) if usage > target else 0.0
     capacity = replica.max_total_num_tokens or p.default_capacity_tokens

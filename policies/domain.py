@@ -37,6 +37,11 @@ class ReplicaView:
     # Requests the other routers on the fleet have in flight here, as they last published them
     # (router/peer_share.py; 0 with one router).
     peer_in_flight: int = 0
+    # Uncached prompt tokens of this router's requests here that have not answered their first
+    # byte yet: prefill work the replica has (or is about to have) ahead of a new request,
+    # known at once, while its polled queue lags (0 in the simulator's and hand-built views
+    # that do not track it).
+    pending_prefill_tokens: int = 0
     # Requests on the replica: the polled running+queued (all routers) or the routers' own
     # in-flight counts, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).

@@ -139,9 +139,11 @@ def _ttft(p: Prediction | None) -> float | None:
     return None if p is None or p.ttft_s is None else round(p.ttft_s, 6)
 
 
-def request_fields(request_id: str, summary: RequestSummary, placement: Placement | None) -> dict[str, Any]:
+def request_fields(request_id: str, summary: RequestSummary, placement: Placement | None,
+                   received: float | None = None) -> dict[str, Any]:
     """One request's line, but for time, status and duration: from its last placement (the one
-    that answered, or the last one tried), or from its summary alone if none was placed."""
+    that answered, or the last one tried), or from its summary alone if none was placed.
+    `received`: when the router got the request, on the clock `Placement.sent_at` is read on."""
     key = summary.session_key
     blocks = summary.prefix_blocks
     out: dict[str, Any] = {
@@ -166,6 +168,8 @@ def request_fields(request_id: str, summary: RequestSummary, placement: Placemen
         "predicted_cached": notes.chosen.cached_tokens if notes is not None else None,
         "predicted_ttft_s": _ttft(notes.chosen) if notes is not None else None,
         "ttft_s": round(placement.ttfb_s, 6) if placement.ttfb_s is not None else None,
+        "routed_s": (round(placement.sent_at - received, 6)
+                     if placement.sent_at is not None and received is not None else None),
     })
     if isinstance(usage, UsageReport):
         out["reported_prompt_tokens"] = usage.prompt_tokens

@@ -70,7 +70,7 @@ class Handlers:
         request_id = request_id_from(request.headers)
         status = 499  # client closed request, unless we get further
         try:
-            response = await self._inference(request, route, request_id)
+            response = await self._inference(request, route, request_id, started)
             status = response.status
             return response
         except (asyncio.CancelledError, ConnectionResetError):
@@ -82,7 +82,7 @@ class Handlers:
             m.observe(m.duration, (route,), self.clock() - started)
 
     async def _inference(
-        self, request: Request, route: str, request_id: str
+        self, request: Request, route: str, request_id: str, received: float
     ) -> Answer:
         rid_header = {REQUEST_ID: request_id}
         if self.shutting_down:
@@ -145,7 +145,8 @@ class Handlers:
             body = asked
         summary, text_bytes = await self._summarize(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target,
-                                        prompt_bytes=text_bytes, drop_usage=drop_usage, ticket=ticket)
+                                        prompt_bytes=text_bytes, drop_usage=drop_usage, ticket=ticket,
+                                        received=received)
 
     async def summarize_request(
         self, route: str, parsed: dict[str, Any], headers: Mapping[str, str]

@@ -97,7 +97,7 @@ class Placement:
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
                  "rank", "decode", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
-                 "_counted", "_registration")
+                 "_counted", "_registration", "_prefill_tokens", "sent_at")
 
     def __init__(
         self,
@@ -113,6 +113,7 @@ class Placement:
         self.engine = engine
         self.notes = notes  # with engine.explain or shadow policies on; else None
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
+        self.sent_at: float | None = None  # when the relay sent it (its clock), once it did
         self.usage: UsageReport | str | None = None  # as reported (or why not)
         self.error: str | None = None  # why this attempt failed (unreachable or broke off)
         self.summary = summary  # with the KV-index match filled in
@@ -144,7 +145,8 @@ class Placement:
     # -- in-flight slot ----------------------------------------------------------------------------
     def _reserve(self, url: str) -> None:
         self._registration = self.engine.registry.registration(url)
-        self.engine.registry.dispatched(url, self.summary.prompt_tokens)
+        self._prefill_tokens = self._uncached_tokens(url)
+        self.engine.registry.dispatched(url, self.summary.prompt_tokens, self._prefill_tokens)
         ranks = self.engine.ranks
         if ranks is not None:  # the rank follows the replica (a home found elsewhere moves both)
             self.rank = ranks.choose(url, self.summary.prefix_blocks)
@@ -157,7 +159,7 @@ class Placement:
     def _release(self, url: str, served: bool = True) -> None:
         registry, m = self.engine.registry, self.engine.metrics
         if registry.registration(url) == self._registration:
-            registry.completed(url, self.summary.prompt_tokens)
+            registry.completed(url, self.summary.prompt_tokens, self._prefill_tokens)
             if self.engine.ranks is not None and self.rank is not None:
                 self.engine.ranks.completed(url, self.rank)
             if m is not None:
@@ -166,8 +168,25 @@ class Placement:
             m.forget_children(url)  # the series it recreated since
         # else removed and added back: the slot was on the old registration, gone with it
         self._held = False
+        self._prefill_tokens = 0
         if self.engine.on_release is not None:  # served to its end, or a slot freed otherwise
             self.engine.on_release(url, self._accepted and served)
+
+    def _uncached_tokens(self, url: str) -> int:
+        """The prompt tokens the KV index does not see cached on `url`: the prefill this attempt
+        puts on it (pending until its first byte)."""
+        summary = self.summary
+        cached = summary.cached_tokens.get(url, 0) if summary.cached_tokens else 0
+        on_host = summary.host_cached_tokens.get(url, 0) if summary.host_cached_tokens else 0
+        return max(0, summary.prompt_tokens - cached - on_host)
+
+    def prefill_answered(self) -> None:
+        """The replica answered this attempt's first byte: its prefill is no longer work ahead
+        of the next request there (`ReplicaView.pending_prefill_tokens`). Idempotent."""
+        tokens, self._prefill_tokens = self._prefill_tokens, 0
+        registry = self.engine.registry
+        if tokens and self._held and registry.registration(self.url) == self._registration:
+            registry.prefill_answered(self.url, tokens)
 
     @property
     def held(self) -> bool:
@@ -278,6 +297,7 @@ class Placement:
         streamed answer's first byte is its time to first token (a plain body comes whole at the
         end), so only that one calibrates admission's TTFT predictions."""
         self.ttfb_s = seconds
+        self.prefill_answered()
         hook = self.engine.on_first_byte
         if streamed and hook is not None and self.predicted_ttft_s is not None:
             hook(self.predicted_ttft_s, seconds)

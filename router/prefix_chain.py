@@ -167,6 +167,10 @@ class PrefixChains:
         if ns is None:
             ns = namespace(body)
         found = self._find_chat(parts, render, ns, block_chars, session) if self.max_bytes > 0 else None
+        if found is None and session and self.max_bytes > 0:
+            rewritten = self._last_message_rewritten(parts, render, ns, block_chars, session)
+            if rewritten is not None:
+                return rewritten
         start = len(found.parts) if found is not None else 0
         suffix = b"".join([render(i) for i in range(start, len(parts))])
         if found is None:
@@ -209,6 +213,42 @@ class PrefixChains:
             return None
         rendered = b"".join([render_part(part) for part in parts])
         return rendered if len(rendered) < self.min_bytes else None
+
+    def _last_message_rewritten(self, parts: list[Any], render: Callable[[int], bytes], ns: bytes,
+                                block_chars: int, session: str) -> "tuple[tuple[int, ...], int] | None":
+        """`chat_block_hashes` of a prompt that differs from the session's stored one only after
+        the stored chain's last whole block, inside its last message (a client that sends the
+        conversation as one message that grows each turn, as trace replays do, rewriting its
+        partial last block), hashing only from that block on; None if it is not one. The earlier
+        parts are compared as `_find_chat` compares them, the last message's shared bytes by a
+        memcmp of the two renderings."""
+        key = self._by_session.get((ns, session))
+        chain = self._by_end.get(key) if key is not None else None
+        if not isinstance(chain, _ChatChain) or key[2] != block_chars or key[3] != len(parts) \
+                or not parts:
+            return None
+        last = len(parts) - 1
+        earlier = {i: r for i, r in chain.rendered.items() if i != last}
+        head = _ChatChain(chain.parts[:-1], earlier, 0, b"", chain.hasher, (), None)
+        if not head.prefix_of(parts[:-1], render):
+            return None
+        old = render_part(chain.parts[-1])
+        shared = len(chain.hashes) * block_chars - (chain.length - len(old))  # of the last message
+        new = render(last)
+        if shared <= 0 or len(new) < shared or old[:shared] != new[:shared]:
+            return None
+        todo = new[shared:]
+        hasher, hashes = chain_block_hashes(chain.hasher.copy(), todo, 0, block_chars, chain.hashes)
+        rendered = earlier
+        if not plain_part(parts[last]):
+            rendered[last] = new
+        rewritten = _ChatChain(parts, rendered, chain.length - len(old) + len(new),
+                               todo[(len(hashes) - len(chain.hashes)) * block_chars:], hasher, hashes,
+                               chain.session)
+        self.hits += 1
+        self._drop(key)  # superseded
+        self._keep_at(_chat_key(ns, block_chars, len(parts), new), rewritten)
+        return hashes, rewritten.length
 
     def _find_chat(self, parts: list[Any], render: Callable[[int], bytes], ns: bytes,
                    block_chars: int, session: str | None) -> "_ChatChain | None":

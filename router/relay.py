@@ -163,13 +163,16 @@ class Relay:
         prompt_bytes: int = 0,
         drop_usage: bool = False,
         ticket: Ticket | None = None,
+        received: float | None = None,
     ) -> Answer:
         """Route and relay one client request; the session's in-flight count spans all attempts
         (the engine's `route` acquires and ends it). `target` (a validated, known replica from
         a routing hint) bypasses the policy. The replica's reported usage goes to the placement
         (`prompt_bytes`: the prompt text's size, for calibration); `drop_usage`: the router
         asked for the stream's usage event, so the client does not get it. `ticket`: the
-        request goes through admission control first (it may wait, or get 429)."""
+        request goes through admission control first (it may wait, or get 429). `received`:
+        when the handler got the request (this relay's clock), for the decision log's time the
+        router spent before sending it."""
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
@@ -210,17 +213,20 @@ class Relay:
             self._active.discard(task)
             self._cut.discard(task)
             if logged:
-                self._log_decision(arrived, self.clock() - started, request_id, summary, route, status)
+                self._log_decision(arrived, self.clock() - started, request_id, summary, route, status,
+                                   received)
             if trace is not None:
                 trace.end(status)
 
     def _log_decision(self, arrived: float, duration_s: float, request_id: str,
-                      summary: RequestSummary, route: RequestRoute | None, status: int) -> None:
+                      summary: RequestSummary, route: RequestRoute | None, status: int,
+                      received: float | None = None) -> None:
         """Queue the request's decision-log line; a fault here never reaches the client."""
         assert self.decision_log is not None
         try:
             placement = route.last if route is not None else None
-            fields = request_fields(request_id, placement.summary if placement else summary, placement)
+            fields = request_fields(request_id, placement.summary if placement else summary, placement,
+                                    received)
             self.decision_log.write(decision_line(arrived, fields, status, duration_s))
         except Exception:
             log.exception("decision log line for %s failed", request_id)
@@ -263,7 +269,7 @@ class Relay:
                 if trace is not None:
                     trace.decided(current, decide_ns)
                     trace.upstream_start(current, headers)
-                sent = self.clock()
+                sent = current.sent_at = self.clock()
                 sent_body = body if current.rank is None else routed_body(body, current.rank)
                 try:
                     upstream = await self.pool.request(request.method, url, path_qs, headers, sent_body)

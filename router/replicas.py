@@ -52,8 +52,9 @@ class ReplicaRegistry:
         self._by_id = MappingProxyType(self._views)
         self._failures: dict[str, int] = {}
         self._snapshot: Snapshot | None = None
-        # In-flight (requests, prompt tokens) of replicas whose view does not carry them yet.
-        self._in_flight: dict[str, tuple[int, int]] = {}
+        # In-flight (requests, prompt tokens, pending prefill tokens) of replicas whose view does not
+        # carry them yet.
+        self._in_flight: dict[str, tuple[int, int, int]] = {}
         # Fleet aggregates kept up to date on every change, so snapshots need no scan.
         self._healthy_load = 0
         self._healthy_count = 0
@@ -186,32 +187,48 @@ class ReplicaRegistry:
             self._update(url, fresh=False)
 
     # -- in-flight accounting (dispatch and completion) -------------------------------------
-    def dispatched(self, url: str, prompt_tokens: int) -> None:
+    def dispatched(self, url: str, prompt_tokens: int, prefill_tokens: int = 0) -> None:
+        """A request was sent to `url`; `prefill_tokens` of its prompt are not cached there (they
+        stay pending until `prefill_answered`, or until `completed` if it ends before)."""
         view = self._views.get(url)
         if view is not None:
-            requests, tokens = self._in_flight.get(url) or (view.in_flight, view.in_flight_prompt_tokens)
-            self._set_in_flight(url, view, requests + 1, tokens + prompt_tokens)
+            requests, tokens, pending = self._counts(url, view)
+            self._set_in_flight(url, view, requests + 1, tokens + prompt_tokens, pending + prefill_tokens)
             if self.on_in_flight is not None:
                 self.on_in_flight()
 
-    def completed(self, url: str, prompt_tokens: int) -> None:
+    def completed(self, url: str, prompt_tokens: int, prefill_tokens: int = 0) -> None:
+        """A request on `url` ended; `prefill_tokens`: its pending prefill, if it never answered."""
         view = self._views.get(url)
         if view is not None:
-            requests, tokens = self._in_flight.get(url) or (view.in_flight, view.in_flight_prompt_tokens)
-            self._set_in_flight(url, view, max(0, requests - 1), max(0, tokens - prompt_tokens))
+            requests, tokens, pending = self._counts(url, view)
+            self._set_in_flight(
+                url, view, max(0, requests - 1), max(0, tokens - prompt_tokens), max(0, pending - prefill_tokens)
+            )
             if self.on_in_flight is not None:
                 self.on_in_flight()
 
-    def _set_in_flight(self, url: str, view: ReplicaView, requests: int, tokens: int) -> None:
+    def prefill_answered(self, url: str, prefill_tokens: int) -> None:
+        """A request on `url` sent its first byte: its prefill is done, no longer work ahead."""
+        view = self._views.get(url)
+        if view is not None and prefill_tokens:
+            requests, tokens, pending = self._counts(url, view)
+            self._set_in_flight(url, view, requests, tokens, max(0, pending - prefill_tokens))
+
+    def _counts(self, url: str, view: ReplicaView) -> tuple[int, int, int]:
+        """`url`'s in-flight requests, prompt tokens and pending prefill, noted or in its view."""
+        return self._in_flight.get(url) or (view.in_flight, view.in_flight_prompt_tokens, view.pending_prefill_tokens)
+
+    def _set_in_flight(self, url: str, view: ReplicaView, requests: int, tokens: int, pending: int) -> None:
         """Note `url`'s in-flight counts; its view (and the snapshot) change when next read."""
-        if requests == view.in_flight and tokens == view.in_flight_prompt_tokens:
+        if (requests, tokens, pending) == (view.in_flight, view.in_flight_prompt_tokens, view.pending_prefill_tokens):
             self._in_flight.pop(url, None)  # back to what the view says: nothing to rebuild
         else:
-            self._in_flight[url] = (requests, tokens)
+            self._in_flight[url] = (requests, tokens, pending)
 
     def _apply_in_flight(self, url: str) -> None:
-        requests, tokens = self._in_flight.pop(url)
-        self._update(url, in_flight=requests, in_flight_prompt_tokens=tokens)
+        requests, tokens, pending = self._in_flight.pop(url)
+        self._update(url, in_flight=requests, in_flight_prompt_tokens=tokens, pending_prefill_tokens=pending)
 
     def set_peer_in_flight(self, url: str, requests: int) -> None:
         """The other routers' requests in flight on `url` (router/peer_share.py): counted in the

@@ -96,6 +96,7 @@ async def test_one_line_per_request_with_prediction_outcome_and_shadows(
         assert line["policy"] == "coding_agent" and line["reason"]
         assert line["prompt_tokens"] > 0 and line["blocks"] > 0 and line["prefix"]
         assert line["ttft_s"] is not None and line["duration_s"] >= line["ttft_s"]
+        assert 0 < line["routed_s"] < 5  # the router's own time before it sent the request
         assert line["predicted_ttft_s"] > 0 and line["output_tokens"] == 3
         assert set(line["shadow"]) == {"prefix-aware", "consistent-hash"}
         for guess in line["shadow"].values():

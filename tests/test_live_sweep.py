@@ -129,3 +129,17 @@ def test_restarted_session_is_fresh_and_caps_pauses() -> None:
     ]
     assert capped.next_requests(None)[0].segments == first[0].segments  # starts from the first request
     assert [r.segments for _, r in capped.planned()] == [r.segments for _, r in session.planned()]
+
+
+def test_every_prompt_is_rendered_before_the_first_contender_runs() -> None:
+    # Segments' text is made on first use; the first contender must not pay for it in its TTFT.
+    sweep = _load("live_sweep")
+    args = sweep.parse_args(["--traces", str(TRACES / "trace_0684.json"), "--max-requests", "3"])
+    arrivals = sweep.load_trace(args)
+    segments = [seg for _, s in arrivals for _, r in s.planned() for seg in r.segments]
+    assert segments and all(seg._text is None for seg in segments)
+    assert sweep.render_prompts(arrivals) > 0
+    assert all(seg._text is not None for seg in segments)
+    replayed = arrivals[0][1].restarted().next_requests(None)[0]  # a contender's copy of the replay
+    assert all(seg._text is not None for seg in replayed.segments)
+

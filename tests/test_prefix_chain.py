@@ -133,6 +133,7 @@ _chat_step = st.one_of(
     st.tuples(st.just("edit"), st.integers(0, 8), _message),
     st.tuples(st.just("tools"), _tools),
     st.tuples(st.just("switch"), st.integers(0, 2)),
+    st.tuples(st.just("grow"), _text),
 )
 
 
@@ -156,6 +157,10 @@ def test_chat_hashes_rendering_only_new_messages_always_equal_the_full_hash(step
             tools[current] = step[1]
         elif step[0] == "switch":
             current = step[1]
+        elif step[0] == "grow" and messages and isinstance(messages[-1], dict):
+            last = messages[-1]
+            if isinstance(last.get("content"), str) or last.get("content") is None:
+                messages[-1] = {**last, "content": (last.get("content") or "") + step[1]}
         body = {"model": "m", "messages": [dict(m) if isinstance(m, dict) else m for m in sessions[current]]}
         if tools[current]:
             body["tools"] = tools[current]
@@ -212,3 +217,45 @@ def test_a_chat_prompt_without_a_given_namespace_is_hashed_in_its_body_s_own():
         data = prompt_bytes_and_boundaries(CHAT, body)[0]
         expected = (text_block_hashes(data, namespace(body), BLOCK), len(data))
         assert PrefixChains(max_bytes=1 << 20, min_bytes=512).chat_block_hashes(body, None, BLOCK) == expected
+
+
+def test_a_growing_last_message_hashes_only_its_new_text(monkeypatch):
+    # A conversation sent as one message that grows every turn (how trace replays send it):
+    # the stored chain is reused past every whole block before the old message's end.
+    from kvrouter.router import prefix_chain
+
+    hashed = []
+    chain = prefix_chain.chain_block_hashes
+    monkeypatch.setattr(prefix_chain, "chain_block_hashes",
+                        lambda h, data, start, size, before: (hashed.append(len(data) - start),
+                                                              chain(h, data, start, size, before))[1])
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    text = "context " * 500
+    for n in range(5):
+        body = {"model": "m", "messages": [{"role": "system", "content": "base"},
+                                           {"role": "user", "content": text}]}
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, "s") == \
+            (full(body), len(prompt_bytes_and_boundaries(CHAT, body)[0]))
+        text += f"turn {n} " * 20
+    assert (chains.misses, chains.hits) == (1, 4)
+    assert hashed[0] > 4000 and max(hashed[1:]) < 200 + 2 * BLOCK  # only the new text after the first
+    assert len(chains) == 1
+
+
+def test_a_last_message_changed_before_the_stored_last_block_is_hashed_whole():
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+
+    def user(text: str, role: str = "user") -> dict:
+        return {"model": "m", "messages": [{"role": "system", "content": "base"},
+                                           {"role": role, "content": text}]}
+
+    chains.chat_block_hashes(user("a" * 600), b"ns", BLOCK, "s")
+    for body in (user("a" * 600 + "b", role="assistant"), user("a" * 100 + "X" + "a" * 500)):
+        chains.chat_block_hashes(user("a" * 600), b"ns", BLOCK, "s")  # stored again
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, "s")[0] == full(body)
+    chains.chat_block_hashes(user("a" * 600), b"ns", BLOCK, "s")
+    hits = chains.hits
+    # rewritten only after the stored prompt's last whole block: that block on is hashed
+    body = user("a" * 598 + "Xb" + "c" * 50)
+    assert chains.chat_block_hashes(body, b"ns", BLOCK, "s")[0] == full(body)
+    assert chains.hits == hits + 1
