@@ -154,23 +154,13 @@ def expected_costs(
 
 def _cold_placement_costs(
     model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float,
-    marks: tuple[int, int, float] | None = None, kept: list[ReplicaView] | None = None,
 ) -> list[float]:
     """`expected_costs(..., placement=True)` of a session nobody homes yet (`home` None) whose
-    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms. With
-    `marks` (running+queued, queued, token_usage high-water marks) a replica above any of them
-    is skipped and the others are appended to `kept`: the filter and the costs in one pass."""
+    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms."""
     key, kv_demand_s, p = model.key, model.kv_demand_s, model.params
-    running, queue, usage = marks if marks is not None else (0, 0, 0.0)
-    keep = kept.append if kept is not None else None
     out: list[float] = []
     append = out.append
     for replica in replicas:
-        if marks is not None:
-            if (replica.load >= running or (replica.num_queue_reqs or 0) > queue
-                    or (replica.token_usage or 0.0) > usage):
-                continue
-            keep(replica)  # type: ignore[misc]
         terms = replica.cost_terms
         if terms is None or terms[0] is not key:
             terms = _view_terms(model, replica)
@@ -195,13 +185,39 @@ def cold_placement_costs_under(
     """The replicas under the high-water `marks` (a replica whose running+queued reaches
     marks[0], whose queue exceeds marks[1] or whose token_usage exceeds marks[2] is above) and
     their `expected_costs(placement=True)` with no home, in one pass; None unless nobody holds
-    any of the request's prompt (the other cases filter, then cost)."""
+    any of the request's prompt (the other cases filter, then cost).
+
+    Most new sessions are placed here, over every sampled candidate: the loop of
+    `_cold_placement_costs` with the filter in front, written for speed (the terms read by
+    index, not unpacked, so only the ones a cold placement adds are touched), the same terms
+    added in the same order."""
     if request.cached_tokens or request.host_cached_tokens:
         return None
+    model = _model(p)
+    key, kv_demand_s = model.key, model.kv_demand_s
+    prompt = request.prompt_tokens
+    cold_prefill = prefill_s(p, prompt, 0)
+    running, queue, usage = marks
     kept: list[ReplicaView] = []
-    costs = _cold_placement_costs(_model(p), replicas, request.prompt_tokens,
-                                  prefill_s(p, request.prompt_tokens, 0), marks, kept)
-    return kept, costs
+    out: list[float] = []
+    for replica in replicas:
+        if (replica.load >= running or (replica.num_queue_reqs or 0) > queue
+                or (replica.token_usage or 0.0) > usage):
+            continue
+        kept.append(replica)
+        terms = replica.cost_terms
+        if terms is None or terms[0] is not key:
+            terms = _view_terms(model, replica)
+        cost = cold_prefill + terms[1]  # queueing
+        if terms[2]:  # KV pressure
+            cost += terms[2]
+        demand = terms[7] + prompt  # homed KV and this session's context
+        cost += kv_demand_s * demand / terms[3]  # over the capacity
+        cost += terms[4]  # sessions homed, this one included
+        if demand - terms[6] >= 1:  # past capacity_target: evicted context is recomputed
+            cost += p.capacity_weight * prefill_s(p, int(demand - terms[6]), 0)
+        out.append(cost)
+    return kept, out
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,17 +230,21 @@ class Snapshot:
             getrandbits, bits = rng.getrandbits, n.bit_length()
             if not chosen and not exclude and self.healthy_count == n:
                 # Every replica usable (the registry counts the healthy ones), none named first:
-                # only repeats to skip, by index, without reading a view until the end.
-                taken: dict[int, None] = {}
+                # only repeats to skip, by index; the sample is built as it is drawn.
+                taken: set[int] = set()
+                sample: list[ReplicaView] = []
+                left = k
                 for _ in range(4 * k):
                     at = getrandbits(bits)
                     while at >= n:
                         at = getrandbits(bits)
                     if at not in taken:
-                        taken[at] = None
-                        if len(taken) >= k:
+                        taken.add(at)
+                        sample.append(replicas[at])
+                        left -= 1
+                        if not left:
                             break
-                return [replicas[at] for at in taken]
+                return sample
             for _ in range(4 * k):
                 if len(chosen) >= k:
                     break
