@@ -11,16 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import CostParams, request_cost
-from .domain import RequestSummary, Snapshot
+from .domain import RequestSummary, Snapshot, slot_setters
 
 DEFAULT_COST = CostParams()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Prediction:
     replica: str
     cached_tokens: int  # the KV index's match on that replica, at most the prompt
     ttft_s: float | None  # None: the replica is not in the snapshot
+
+    def __init__(self, replica: str, cached_tokens: int, ttft_s: float | None) -> None:
+        # Made for every decision noted and every shadow's pick: see `slot_setters`.
+        _set_replica(self, replica)
+        _set_cached_tokens(self, cached_tokens)
+        _set_ttft_s(self, ttft_s)
+
+
+_set_replica, _set_cached_tokens, _set_ttft_s = slot_setters(Prediction, "replica", "cached_tokens", "ttft_s")
 
 
 def predict(snapshot: Snapshot, request: RequestSummary, replica: str,

@@ -11,7 +11,8 @@ import pytest
 
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
-from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.domain import Decision, ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.predict import Prediction
 from kvrouter.policies.steps import ExpectedCost, HighWater, NearTiePowerOfTwo, _two_of
 
 
@@ -192,3 +193,22 @@ def test_a_leaving_replica_takes_its_shadow_pick_series_with_it() -> None:
     assert sample("kvrouter_shadow_picks_total", {"replica": "http://a", "shadow": "least-load"}) is None
     assert sample("kvrouter_shadow_picks_total", {"replica": "http://b", "shadow": "least-load"}) == 1.0
     assert sample("kvrouter_shadow_decisions_total", {"shadow": "least-load", "agrees": "true"}) == 1.0
+
+
+def test_decisions_and_predictions_set_through_their_slots_are_ordinary_frozen_dataclasses() -> None:
+    # Both are made with a hand-written __init__ (the slots' own setters): the same values,
+    # defaults, keywords, equality, hashing, replace() and the frozen guard as generated.
+    decision = Decision("http://a", "new_session")
+    assert (decision.replica, decision.reason, decision.home) == ("http://a", "new_session", None)
+    assert decision == Decision(replica="http://a", reason="new_session", home=None)
+    assert hash(decision) == hash(Decision("http://a", "new_session"))
+    assert dataclasses.replace(decision, home="http://a") == Decision("http://a", "new_session", "http://a")
+    assert Decision("http://a", "x") != Decision("http://b", "x")
+    prediction = Prediction("http://a", 3, None)
+    assert prediction == Prediction(replica="http://a", cached_tokens=3, ttft_s=None)
+    assert dataclasses.astuple(prediction) == ("http://a", 3, None)
+    for value in (decision, prediction):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.replica = "http://b"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Decision("http://a")  # type: ignore[call-arg]
