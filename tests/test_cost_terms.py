@@ -92,13 +92,19 @@ def test_costs_from_kept_terms_are_the_plain_model_bit_for_bit() -> None:
 def test_filtering_and_costing_in_one_pass_is_the_filter_then_the_costs() -> None:
     # A placement filters its candidates by the high-water marks and costs the rest; for a
     # prompt nobody holds both happen in one pass, which must keep and cost the same replicas.
+    # The pass keeps each view's verdict against the marks with its cost terms: views are
+    # reused across cost models and marks, so a verdict must never serve other marks.
     rng = random.Random(11)
-    marks = HighWater(40, 2, 0.92)
+    fleet = random_views(rng, 40)
     for p in (CostParams(), CostParams(session_s=0.5, capacity_target=0.8)):
         for placement in (True, False):
             score = ExpectedCost(p, placement=placement)
             for _ in range(100):
-                views = random_views(rng, rng.randrange(0, 20))
+                marks = rng.choice((HighWater(40, 2, 0.92), HighWater(20, 0, 0.5), HighWater(40, 2, 0.92)))
+                views = rng.sample(fleet, rng.randrange(0, 20)) if rng.random() < 0.7 else random_views(rng, 12)
+                if rng.random() < 0.2:  # another cost model costs some of them in between
+                    expected_costs(rng.choice((CostParams(), CostParams(session_s=0.5))), views[:5],
+                                   RequestSummary("/x", prompt_tokens=1000))
                 held = {f"r{i}": rng.randrange(1, 250_000) for i in range(0, len(views), 4)}
                 request = RequestSummary("/x", prompt_tokens=rng.randrange(0, 300_000),
                                          cached_tokens=held if rng.random() < 0.3 else {})
