@@ -34,7 +34,9 @@ _set_replica, _set_cached_tokens, _set_ttft_s = slot_setters(Prediction, "replic
 
 def predict(snapshot: Snapshot, request: RequestSummary, replica: str,
             params: CostParams = DEFAULT_COST) -> Prediction:
-    cached = min(request.prompt_tokens, request.cached_tokens.get(replica, 0)) if request.cached_tokens else 0
-    view = snapshot.get(replica)
+    cached_on = request.cached_tokens
+    cached = min(request.prompt_tokens, cached_on.get(replica, 0)) if cached_on else 0
+    by_id = snapshot.by_id  # `snapshot.get`, without its call: this runs for every pick noted
+    view = by_id.get(replica) if by_id is not None else snapshot.get(replica)
     ttft = request_cost(params, view, request) if view is not None else None  # = expected_cost(placement=False)
     return Prediction(replica, cached, ttft)
