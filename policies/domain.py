@@ -41,10 +41,11 @@ class ReplicaView:
     # in-flight counts, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).
     load: int = field(init=False, compare=False)
-    # This view's terms of the cost model (policies/cost.py), filled in on first use and kept
-    # with the view: the live decision, the decision log's prediction, every shadow policy and
-    # the next decisions (a view lasts until its replica changes) read them instead of
-    # recomputing. Not part of the view's value; a changed view starts without.
+    # This view's terms of the cost model (policies/cost.py), and its verdict against a
+    # placement's high-water marks, filled in on first use and kept with the view: the live
+    # decision, the decision log's prediction, every shadow policy and the next decisions (a
+    # view lasts until its replica changes) read them instead of recomputing. Not part of the
+    # view's value; a changed view starts without.
     cost_terms: tuple[object, ...] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
