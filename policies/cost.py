@@ -135,7 +135,7 @@ def expected_costs(
         terms = replica.cost_terms
         if terms is None or terms[0] is not key:
             terms = _view_terms(model, replica)
-        _, queueing, pressure, capacity, sessions_new, sessions_home, evict_from, homed = terms
+        _, queueing, pressure, capacity, sessions_new, sessions_home, evict_from, homed, _, _ = terms
         rid = replica.id
         cost = cold_prefill
         if held:
@@ -165,27 +165,17 @@ def expected_costs(
 
 def _cold_placement_costs(
     model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float,
-    marks: tuple[int, int, float] | None = None, kept: list[ReplicaView] | None = None,
 ) -> list[float]:
     """`expected_costs(..., placement=True)` of a session nobody homes yet (`home` None) whose
-    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms. With
-    `marks` (running+queued, queued, token_usage high-water marks) a replica above any of them
-    is skipped and the others are appended to `kept`: the filter and the costs in one pass."""
+    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms."""
     key, kv_demand_s, p = model.key, model.kv_demand_s, model.params
-    running, queue, usage = marks if marks is not None else (0, 0, 0.0)
-    keep = kept.append if kept is not None else None
     out: list[float] = []
     append = out.append
     for replica in replicas:
-        if marks is not None:
-            if (replica.load >= running or (replica.num_queue_reqs or 0) > queue
-                    or (replica.token_usage or 0.0) > usage):
-                continue
-            keep(replica)  # type: ignore[misc]
         terms = replica.cost_terms
         if terms is None or terms[0] is not key:
             terms = _view_terms(model, replica)
-        _, queueing, pressure, capacity, sessions_new, _, evict_from, homed = terms
+        _, queueing, pressure, capacity, sessions_new, _, evict_from, homed, _, _ = terms
         cost = cold_prefill + queueing
         if pressure:
             cost += pressure
@@ -206,13 +196,39 @@ def cold_placement_costs_under(
     """The replicas under the high-water `marks` (a replica whose running+queued reaches
     marks[0], whose queue exceeds marks[1] or whose token_usage exceeds marks[2] is above) and
     their `expected_costs(placement=True)` with no home, in one pass; None unless nobody holds
-    any of the request's prompt (the other cases filter, then cost)."""
+    any of the request's prompt (the other cases filter, then cost).
+
+    Most new sessions are placed here, over every sampled candidate: the loop of
+    `_cold_placement_costs` with the filter in front, written for speed: the view keeps its
+    verdict against the marks with its cost terms (`_view_terms`), and the terms are read by
+    index, not unpacked, so only the ones a cold placement adds are touched; the same terms are
+    added in the same order."""
     if request.cached_tokens or request.host_cached_tokens:
         return None
+    model = _model(p)
+    key, kv_demand_s = model.key, model.kv_demand_s
+    prompt = request.prompt_tokens
+    cold_prefill = prefill_s(p, prompt, 0)
+    marks = _MARKS.get(marks) or _canonical_marks(marks)
     kept: list[ReplicaView] = []
-    costs = _cold_placement_costs(_model(p), replicas, request.prompt_tokens,
-                                  prefill_s(p, request.prompt_tokens, 0), marks, kept)
-    return kept, costs
+    out: list[float] = []
+    for replica in replicas:
+        terms = replica.cost_terms
+        if terms is None or terms[0] is not key or terms[8] is not marks:
+            terms = _view_terms(model, replica, marks)
+        if terms[9]:  # above a high-water mark
+            continue
+        kept.append(replica)
+        cost = cold_prefill + terms[1]  # queueing
+        if terms[2]:  # KV pressure
+            cost += terms[2]
+        demand = terms[7] + prompt  # homed KV and this session's context
+        cost += kv_demand_s * demand / terms[3]  # over the capacity
+        cost += terms[4]  # sessions homed, this one included
+        if demand - terms[6] >= 1:  # past capacity_target: evicted context is recomputed
+            cost += p.capacity_weight * prefill_s(p, int(demand - terms[6]), 0)
+        out.append(cost)
+    return kept, out
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +244,15 @@ class _Model:
 
 _MODELS: dict[int, _Model] = {}  # id(params) -> model (the params held, so the id stays theirs)
 _KEYS: dict[tuple[object, ...], object] = {}  # parameter values -> key
+_MARKS: dict[tuple[int, int, float], tuple[int, int, float]] = {}  # high-water marks, one object per value
+
+
+def _canonical_marks(marks: tuple[int, int, float]) -> tuple[int, int, float]:
+    """One object per set of high-water marks (equal marks of two policies share it), so a
+    view's kept verdict is checked by identity."""
+    if len(_MARKS) >= 256:
+        _MARKS.clear()
+    return _MARKS.setdefault(marks, marks)
 
 
 def _model(p: CostParams) -> _Model:
@@ -241,9 +266,14 @@ def _model(p: CostParams) -> _Model:
     return found
 
 
-def _view_terms(model: _Model, replica: ReplicaView) -> tuple[object, ...]:
+def _view_terms(
+    model: _Model, replica: ReplicaView, marks: tuple[int, int, float] | None = None,
+) -> tuple[object, ...]:
     """The request-independent terms of `replica`'s cost, each the very expression the cost
-    adds (so the sums are unchanged), kept with the view."""
+    adds (so the sums are unchanged), kept with the view; then the high-water `marks` (a
+    canonical object, see `_canonical_marks`) and whether the replica is above any of them
+    (None, None until a placement filters by them; without `marks` the verdict already kept,
+    which does not depend on the cost model, is carried over)."""
     p = model.params
     queue_s, max_running, target = p.queue_s_per_waiting, p.max_running, p.capacity_target
     load = replica.load
@@ -259,7 +289,12 @@ def _view_terms(model: _Model, replica: ReplicaView) -> tuple[object, ...]:
     pressure = queue_s * (usage - target) / (1.0 - target + 1e-9) if usage > target else 0.0
     capacity = replica.max_total_num_tokens or p.default_capacity_tokens
     sessions = replica.homed_sessions
+    if marks is not None:  # `HighWater.overloaded`
+        above = load >= marks[0] or queued > marks[1] or usage > marks[2]
+    else:
+        kept = replica.cost_terms
+        marks, above = (kept[8], kept[9]) if kept is not None else (None, None)
     terms = (model.key, queueing, pressure, capacity, p.session_s * (sessions + True),
-             p.session_s * (sessions + False), target * capacity, replica.homed_tokens)
+             p.session_s * (sessions + False), target * capacity, replica.homed_tokens, marks, above)
     object.__setattr__(replica, "cost_terms", terms)
     return terms

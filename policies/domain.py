@@ -7,7 +7,7 @@ cluster simulator call the very same code, and tests can hand-build any situatio
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, TypeVar
@@ -46,10 +46,11 @@ class ReplicaView:
     # in-flight counts, whichever is larger, so a stale poll never hides fresh dispatches.
     # Derived once when the view is made (a view is read far more often than it is made).
     load: int = field(init=False, compare=False)
-    # This view's terms of the cost model (policies/cost.py), filled in on first use and kept
-    # with the view: the live decision, the decision log's prediction, every shadow policy and
-    # the next decisions (a view lasts until its replica changes) read them instead of
-    # recomputing. Not part of the view's value; a changed view starts without.
+    # This view's terms of the cost model (policies/cost.py), and its verdict against a
+    # placement's high-water marks, filled in on first use and kept with the view: the live
+    # decision, the decision log's prediction, every shadow policy and the next decisions (a
+    # view lasts until its replica changes) read them instead of recomputing. Not part of the
+    # view's value; a changed view starts without.
     cost_terms: tuple[object, ...] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -235,17 +236,21 @@ class Snapshot:
             getrandbits, bits = rng.getrandbits, n.bit_length()
             if not chosen and not exclude and self.healthy_count == n:
                 # Every replica usable (the registry counts the healthy ones), none named first:
-                # only repeats to skip, by index, without reading a view until the end.
-                taken: dict[int, None] = {}
+                # only repeats to skip, by index; the sample is built as it is drawn.
+                taken: set[int] = set()
+                sample: list[ReplicaView] = []
+                left = k
                 for _ in range(4 * k):
                     at = getrandbits(bits)
                     while at >= n:
                         at = getrandbits(bits)
                     if at not in taken:
-                        taken[at] = None
-                        if len(taken) >= k:
+                        taken.add(at)
+                        sample.append(replicas[at])
+                        left -= 1
+                        if not left:
                             break
-                return [replicas[at] for at in taken]
+                return sample
             for _ in range(4 * k):
                 if len(chosen) >= k:
                     break
@@ -266,17 +271,35 @@ class Snapshot:
         return list(chosen.values())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Decision:
     replica: str
     reason: str
     # The session's home after this request, when the decision (re)assigns it; None = unchanged.
     home: str | None = None
 
+    def __init__(self, replica: str, reason: str, home: str | None = None) -> None:
+        # Made on every decision and every shadow's: see `slot_setters`.
+        _set_replica(self, replica)
+        _set_reason(self, reason)
+        _set_home(self, home)
+
     def replaces_home(self, current: str | None) -> bool:
         """Names a home other than the session's `current` one (a rehome, or a fallback away
         from an unusable home). A brand-new session's first home replaces nothing."""
         return self.home is not None and current not in (None, self.home)
+
+
+def slot_setters(cls: type, *names: str) -> tuple[Callable[[object, object], None], ...]:
+    """The setters of a frozen slotted dataclass's fields, for a hand-written `__init__`
+    (`init=False`) of a class made on every decision. The generated one sets each field with
+    `object.__setattr__(self, name, value)` (the way round the frozen guard), which looks the
+    field up by name every time; the slot's own setter stores the value directly, in about half
+    the time. The instance is the same: same fields, still frozen to everyone else."""
+    return tuple(getattr(cls, name).__set__ for name in names)
+
+
+_set_replica, _set_reason, _set_home = slot_setters(Decision, "replica", "reason", "home")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ import pytest
 
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
-from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.domain import Decision, ReplicaView, RequestSummary, Snapshot
+from kvrouter.policies.predict import Prediction
 from kvrouter.policies.steps import ExpectedCost, HighWater, NearTiePowerOfTwo, _two_of
 
 
@@ -91,13 +92,19 @@ def test_costs_from_kept_terms_are_the_plain_model_bit_for_bit() -> None:
 def test_filtering_and_costing_in_one_pass_is_the_filter_then_the_costs() -> None:
     # A placement filters its candidates by the high-water marks and costs the rest; for a
     # prompt nobody holds both happen in one pass, which must keep and cost the same replicas.
+    # The pass keeps each view's verdict against the marks with its cost terms: views are
+    # reused across cost models and marks, so a verdict must never serve other marks.
     rng = random.Random(11)
-    marks = HighWater(40, 2, 0.92)
+    fleet = random_views(rng, 40)
     for p in (CostParams(), CostParams(session_s=0.5, capacity_target=0.8)):
         for placement in (True, False):
             score = ExpectedCost(p, placement=placement)
             for _ in range(100):
-                views = random_views(rng, rng.randrange(0, 20))
+                marks = rng.choice((HighWater(40, 2, 0.92), HighWater(20, 0, 0.5), HighWater(40, 2, 0.92)))
+                views = rng.sample(fleet, rng.randrange(0, 20)) if rng.random() < 0.7 else random_views(rng, 12)
+                if rng.random() < 0.2:  # another cost model costs some of them in between
+                    expected_costs(rng.choice((CostParams(), CostParams(session_s=0.5))), views[:5],
+                                   RequestSummary("/x", prompt_tokens=1000))
                 held = {f"r{i}": rng.randrange(1, 250_000) for i in range(0, len(views), 4)}
                 request = RequestSummary("/x", prompt_tokens=rng.randrange(0, 300_000),
                                          cached_tokens=held if rng.random() < 0.3 else {})
@@ -192,3 +199,22 @@ def test_a_leaving_replica_takes_its_shadow_pick_series_with_it() -> None:
     assert sample("kvrouter_shadow_picks_total", {"replica": "http://a", "shadow": "least-load"}) is None
     assert sample("kvrouter_shadow_picks_total", {"replica": "http://b", "shadow": "least-load"}) == 1.0
     assert sample("kvrouter_shadow_decisions_total", {"shadow": "least-load", "agrees": "true"}) == 1.0
+
+
+def test_decisions_and_predictions_set_through_their_slots_are_ordinary_frozen_dataclasses() -> None:
+    # Both are made with a hand-written __init__ (the slots' own setters): the same values,
+    # defaults, keywords, equality, hashing, replace() and the frozen guard as generated.
+    decision = Decision("http://a", "new_session")
+    assert (decision.replica, decision.reason, decision.home) == ("http://a", "new_session", None)
+    assert decision == Decision(replica="http://a", reason="new_session", home=None)
+    assert hash(decision) == hash(Decision("http://a", "new_session"))
+    assert dataclasses.replace(decision, home="http://a") == Decision("http://a", "new_session", "http://a")
+    assert Decision("http://a", "x") != Decision("http://b", "x")
+    prediction = Prediction("http://a", 3, None)
+    assert prediction == Prediction(replica="http://a", cached_tokens=3, ttft_s=None)
+    assert dataclasses.astuple(prediction) == ("http://a", 3, None)
+    for value in (decision, prediction):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.replica = "http://b"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Decision("http://a")  # type: ignore[call-arg]

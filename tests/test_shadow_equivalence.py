@@ -192,6 +192,60 @@ def test_a_shadow_of_the_live_policy_agrees_on_every_decision(name: str, replica
     assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": "true"}) > 200
 
 
+@pytest.mark.parametrize("replicas", [100, 300])  # > 4 x 16 candidates: coding-agent samples
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_a_shadow_agrees_with_the_live_policy_on_new_sessions_in_a_large_fleet(name: str, replicas: int) -> None:
+    # Mostly new sessions with prompts nobody holds (coding-agent's sampled, filtered and costed
+    # placement over many candidates), on a polled fleet where some replicas sit above their
+    # high-water marks, homes accumulate, fresh replicas join and health comes and goes (so the
+    # sampling sees every replica usable, and not): the shadow, deciding on the same snapshot
+    # after the live decision, picks what the live policy picks.
+    urls = [f"http://r{i}" for i in range(replicas)]
+    engine = RoutingEngine(build_policy(name), ReplicaRegistry(urls), ShadowKVIndex(), SessionTable(),
+                           random.Random(0), metrics=RouterMetrics())  # seeded as the shadows' stream
+    engine.shadows = ((name, build_policy(name)),)
+    rng = random.Random(9)
+    for url in urls:
+        engine.registry.update_signals(url, ReplicaSignals(
+            num_running_reqs=rng.randrange(0, 45), num_queue_reqs=rng.randrange(0, 4),
+            token_usage=rng.random(), max_total_num_tokens=rng.choice((400_000, 500_000))))
+    placements, returning, down = [], [], []
+    decided = 0
+    for i in range(400):
+        url = rng.choice(urls)
+        if rng.random() < 0.2:
+            engine.registry.update_signals(url, ReplicaSignals(
+                num_running_reqs=rng.randrange(0, 45), num_queue_reqs=rng.randrange(0, 4),
+                token_usage=rng.random(), max_total_num_tokens=400_000))
+        if rng.random() < 0.05:  # down for a while: the sample skips it
+            for _ in range(3):
+                engine.registry.record_failure(url)
+            down.append(url)
+        elif down and rng.random() < 0.3:
+            engine.registry.record_success(down.pop(rng.randrange(len(down))))
+        if i in (150, 300):  # fresh replicas take new sessions until they reach the mean load
+            engine.add_replica(f"http://fresh{i}", now=0.0)
+        if returning and rng.random() < 0.2:
+            key, blocks = rng.choice(returning)
+        else:  # a new session: a prompt nobody holds
+            key, blocks = f"new{i}", tuple(rng.getrandbits(63) for _ in range(rng.randrange(1, 40)))
+        summary = RequestSummary("/v1/chat/completions", session_key=key,
+                                 prompt_tokens=len(blocks) * rng.choice((64, 2000, 6000)), prefix_blocks=blocks)
+        p = engine.place(summary, engine.table.view(key))
+        if p is None:
+            continue
+        (_, shadow, _), = p.notes.shadows
+        assert shadow == p.decision, i
+        decided += 1
+        if rng.random() < 0.5:
+            p.accepted()
+            returning.append((key, blocks))
+        placements.append(p)
+        if len(placements) > 30:
+            placements.pop(rng.randrange(len(placements))).done()
+    assert decided > 350
+
+
 def test_the_registry_hands_snapshots_the_loads_of_their_views() -> None:
     # Least-load and prefix-aware scan the registry's loads instead of the views: after any
     # sequence of membership, dispatch, poll and health changes they must be the views' loads.
