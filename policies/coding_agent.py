@@ -14,6 +14,11 @@ The rules, in order (each decision's `reason` names the rule that made it):
               above a high-water mark (running, queued, token_usage), this request goes to the
               cheapest other replica if its expected cost (a cold prefill there) beats the cost at
               home (queueing behind the session's own requests); the home is kept either way.
+              ...unless the home has also lost the session's prefix (and no sibling is in flight
+              there): then the request is cold anywhere and is placed as `rehome_evicted`, the
+              home moving with it (`lost_home_moves_with_shed`). Shed with the home kept, its KV
+              landed elsewhere while the next turn went home and was cold again (in `kvrouter
+              demo`, sessions far outnumbering what the KV holds: up to a third of the requests).
 3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
    retry      A retry after the home failed this very request is placed by cost; home kept.
 4. new_session / fresh_replica / empty_replica
@@ -61,6 +66,7 @@ class CodingAgentParams(BaseModel):
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
     empty_replica_max_extra_s: float = Field(1.0, ge=0, description="A replica no session calls home takes a new session if it costs at most this many seconds more than the cheapest, when that one is already home to empty_replica_min_homed sessions (0 turns it off).")
     empty_replica_min_homed: int = Field(2, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
+    lost_home_moves_with_shed: bool = Field(True, description="A session whose home is over a high-water mark and has lost its prefix is placed as rehome_evicted places it (the home moves with the request), not shed as overflow with the home kept.")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
@@ -107,6 +113,8 @@ class CodingAgent:
             if self._home_lost_prefix(home, request):
                 return self._rehome_evicted(snapshot, request, rng, home)
             return Decision(home.id, "affinity")
+        if self._lost_home_moves_with_shed(session_busy, home, request):
+            return self._rehome_evicted(snapshot, request, rng, home)
         others = without(self.candidates(snapshot, request, rng), home.id)
         if not others:
             return Decision(home.id, "affinity")
@@ -147,6 +155,17 @@ class CodingAgent:
         best = self.pick(others, other_costs, rng)
         keyed = snapshot.session is not None and snapshot.session.key is not None
         return Decision(best.id, "rehome_evicted", home=best.id if keyed else None)
+
+    def _lost_home_moves_with_shed(self, session_busy: bool, home: ReplicaView, request: RequestSummary) -> bool:
+        """An overloaded home that lost the session's prefix: the request is a cold prefill
+        wherever it goes, so it is placed as `rehome_evicted` places it (the home moves with it,
+        or it stays home when no candidate under its marks is clearly cheaper), not shed as
+        overflow. Shed with the home kept, its KV went elsewhere while the session's next turn
+        went home and found nothing there again: in a fleet with far more sessions than KV, a
+        chain of cold prefills each evicting another session. A busy session (siblings in flight
+        at home) is left to the overflow rule."""
+        return (self.params.lost_home_moves_with_shed and not session_busy
+                and self._home_lost_prefix(home, request))
 
     # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
     def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:
