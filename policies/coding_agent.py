@@ -7,13 +7,20 @@ The rules, in order (each decision's `reason` names the rule that made it):
    rehome_evicted
               ...unless the KV index says the home holds less than `home_lost_fraction` of the
               prompt: the engine evicted the session there, so the request (and the home) goes
-              where it starts soonest, by the per-request cost; the home keeps near-ties. Without
-              this, a session stayed on a replica whose KV its neighbours kept overwriting, and a
+              where it starts soonest, by the per-request cost; the home keeps near-ties, and
+              only a replica holding the prefix or with KV room for it (`token_usage` plus the
+              prompt under the mark) is a candidate: none, it stays home (`stay_no_room`).
+              Without rehome_evicted, a session stayed on a replica whose KV its neighbours kept overwriting, and a
               cold prefill there evicted theirs in turn (where KV is tight, most of the misses).
 2. overflow   If the session already has `session_high_water` requests in flight, or the home is
               above a high-water mark (running, queued, token_usage), this request goes to the
               cheapest other replica if its expected cost (a cold prefill there) beats the cost at
               home (queueing behind the session's own requests); the home is kept either way.
+              ...unless the home has also lost the session's prefix (and no sibling is in flight
+              there): then the request is cold anywhere and is placed as `rehome_evicted`, the
+              home moving with it (`lost_home_moves_with_shed`). Shed with the home kept, its KV
+              landed elsewhere while the next turn went home and was cold again (in `kvrouter
+              demo`, sessions far outnumbering what the KV holds: up to a third of the requests).
 3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
    retry      A retry after the home failed this very request is placed by cost; home kept.
 4. new_session / fresh_replica / empty_replica
@@ -61,6 +68,8 @@ class CodingAgentParams(BaseModel):
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
     empty_replica_max_extra_s: float = Field(1.0, ge=0, description="A replica no session calls home takes a new session if it costs at most this many seconds more than the cheapest, when that one is already home to empty_replica_min_homed sessions (0 turns it off).")
     empty_replica_min_homed: int = Field(2, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
+    lost_home_moves_with_shed: bool = Field(True, description="A session whose home is over a high-water mark and has lost its prefix is placed as rehome_evicted places it (the home moves with the request), not shed as overflow with the home kept.")
+    rehome_needs_kv_room: bool = Field(True, description="A session whose home lost its prefix moves only to a replica holding its prefix or whose token_usage plus this prompt stays under replica_max_token_usage; none: it stays home (stay_no_room).")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
@@ -107,6 +116,8 @@ class CodingAgent:
             if self._home_lost_prefix(home, request):
                 return self._rehome_evicted(snapshot, request, rng, home)
             return Decision(home.id, "affinity")
+        if self._lost_home_moves_with_shed(session_busy, home, request):
+            return self._rehome_evicted(snapshot, request, rng, home)
         others = without(self.candidates(snapshot, request, rng), home.id)
         if not others:
             return Decision(home.id, "affinity")
@@ -139,6 +150,9 @@ class CodingAgent:
         others = self.high_water(without(self.candidates(snapshot, request, rng), home.id))
         if not others:
             return Decision(home.id, "affinity")
+        others = self._with_kv_room(others, request)
+        if not others:
+            return Decision(home.id, "stay_no_room")
         p = self.params
         costs = expected_costs(p.cost, [home, *others], request, home=home.id, placement=False)
         home_cost, other_costs = costs[0], costs[1:]
@@ -147,6 +161,40 @@ class CodingAgent:
         best = self.pick(others, other_costs, rng)
         keyed = snapshot.session is not None and snapshot.session.key is not None
         return Decision(best.id, "rehome_evicted", home=best.id if keyed else None)
+
+    def _lost_home_moves_with_shed(
+        self, session_busy: bool, home: ReplicaView, request: RequestSummary
+    ) -> bool:
+        """An overloaded home that lost the session's prefix: the request is a cold prefill
+        wherever it goes, so it is placed as `rehome_evicted` places it (the home moves with it,
+        or it stays home when no candidate under its marks is clearly cheaper), not shed as
+        overflow. Shed with the home kept, its KV went elsewhere while the session's next turn
+        went home and found nothing there again: in a fleet with far more sessions than KV, a
+        chain of cold prefills each evicting another session. A busy session (siblings in flight
+        at home) is left to the overflow rule."""
+        return (self.params.lost_home_moves_with_shed and not session_busy
+                and self._home_lost_prefix(home, request))
+
+    def _with_kv_room(self, others: list[ReplicaView], request: RequestSummary) -> list[ReplicaView]:
+        """The replicas a session whose home lost its prefix may move to: those holding at least
+        `home_lost_fraction` of the prompt (a warm move), and those whose running requests' KV
+        (`token_usage`) leaves room for this prompt under `replica_max_token_usage`. A cold move
+        onto a replica without that room evicts idle sessions' prefixes there and waits for
+        memory; where sessions far outnumber what the KV holds every replica is like that, and
+        moving only chases KV that is not anywhere. None left: the session stays home
+        (`stay_no_room`), cold there too, where its next turn finds it. `rehome_needs_kv_room`
+        false keeps every candidate."""
+        p = self.params
+        if not p.rehome_needs_kv_room:
+            return others
+        prompt = request.prompt_tokens
+        cached = request.cached_tokens or {}
+        warm = p.home_lost_fraction * prompt
+        mark = p.replica_max_token_usage
+        default_capacity = p.cost.default_capacity_tokens
+        return [r for r in others
+                if 0 < warm <= cached.get(r.id, 0)
+                or (r.token_usage or 0.0) + prompt / (r.max_total_num_tokens or default_capacity) <= mark]
 
     # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
     def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:

@@ -271,3 +271,77 @@ def test_empty_replica_yields_when_it_costs_far_more_or_is_overloaded():
     d = decide([ReplicaView("a", homed_sessions=2), ReplicaView("c")],
                req(prompt=21_000, cached={"a": 15_000}, key=None), None)
     assert d.reason != "empty_replica"
+
+
+# -- an overloaded home that lost the prefix: the home moves with the request --------------------
+def test_overloaded_home_that_lost_the_prefix_moves_the_home_with_the_request():
+    # Over the KV high-water mark and holding 10k of the 100k-token prompt: the request is cold
+    # anywhere. Shed as overflow (home kept) its KV would land on "c" while the next turn went
+    # back to "a" and was cold again; placed as rehome_evicted, the home follows it to "c".
+    reps = [ReplicaView("a", num_running_reqs=3, num_queue_reqs=3), ReplicaView("b", in_flight=2), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_overloaded_home_that_lost_the_prefix_stays_when_every_other_is_over_its_marks():
+    reps = [ReplicaView("a", num_running_reqs=3, num_queue_reqs=3),
+            ReplicaView("b", num_running_reqs=3, num_queue_reqs=4), ReplicaView("c", num_running_reqs=45)]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("a", "affinity", None)
+
+
+def test_overloaded_home_that_keeps_the_prefix_or_a_busy_session_still_overflows():
+    reps = [ReplicaView("a", num_running_reqs=10, num_queue_reqs=5), ReplicaView("b"), ReplicaView("c", in_flight=2)]
+    d = decide(reps, req(prompt=4_000, cached={"a": 3_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("b", "overflow", None)
+    reps = [ReplicaView("a", in_flight=7), ReplicaView("b", in_flight=3), ReplicaView("c")]
+    d = decide(reps, req(prompt=10_000, cached={"a": 1_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a", in_flight=7))
+    assert (d.replica, d.reason, d.home) == ("c", "overflow", None)
+
+
+def test_lost_home_moves_with_shed_off_sheds_as_overflow():
+    policy = CodingAgent(CodingAgentParams(lost_home_moves_with_shed=False))
+    reps = [ReplicaView("a", num_running_reqs=3, num_queue_reqs=3), ReplicaView("b", in_flight=2), ReplicaView("c")]
+    d = policy.decide(Snapshot(tuple(reps), SessionView("s1", home="a")),
+                      req(cached={"a": 10_000}, prefix_blocks=BLOCKS), random.Random(0))
+    assert (d.replica, d.reason, d.home) == ("c", "overflow", None)
+
+
+# -- stay_no_room: a session whose home lost it moves only where its KV has room -----------------
+CAP = 266_496  # KV tokens of the demo profile's replica: room for ~2.7 sessions of 100k
+
+
+def test_home_that_lost_the_prefix_stays_when_no_other_replica_has_kv_room():
+    # As in the rehome_evicted case above, but the other replicas' running requests already fill
+    # most of their KV: a 100k-token cold prefill there would evict the idle sessions' prefixes.
+    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=2, max_total_num_tokens=CAP),
+            ReplicaView("b", in_flight=2, token_usage=0.7, max_total_num_tokens=CAP),
+            ReplicaView("c", token_usage=0.6, max_total_num_tokens=CAP)]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("a", "stay_no_room", None)
+
+
+def test_home_that_lost_the_prefix_moves_to_the_replica_with_kv_room():
+    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=2, max_total_num_tokens=CAP),
+            ReplicaView("b", token_usage=0.7, max_total_num_tokens=CAP),
+            ReplicaView("c", in_flight=1, token_usage=0.3, max_total_num_tokens=CAP)]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_home_that_lost_the_prefix_moves_warm_to_a_replica_without_room():
+    reps = [ReplicaView("a", max_total_num_tokens=CAP),
+            ReplicaView("b", in_flight=1, token_usage=0.8, max_total_num_tokens=CAP),
+            ReplicaView("c", token_usage=0.8, max_total_num_tokens=CAP)]
+    d = decide(reps, req(cached={"a": 5_000, "b": 95_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("b", "rehome_evicted", "b")
+
+
+def test_rehome_needs_kv_room_off_moves_as_before():
+    policy = CodingAgent(CodingAgentParams(rehome_needs_kv_room=False))
+    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=2, max_total_num_tokens=CAP),
+            ReplicaView("b", in_flight=2, token_usage=0.7, max_total_num_tokens=CAP),
+            ReplicaView("c", token_usage=0.6, max_total_num_tokens=CAP)]
+    d = policy.decide(Snapshot(tuple(reps), SessionView("s1", home="a")),
+                      req(cached={"a": 10_000}, prefix_blocks=BLOCKS), random.Random(0))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
