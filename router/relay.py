@@ -490,6 +490,10 @@ class Relay:
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
         if tail:
             held += tail
-        usage.stream_ended(sse, before + last if keep_last else b"")
-        await response.write_eof(held)
+        try:
+            await response.write_eof(held)
+        finally:
+            if accept is not None:  # nothing went out before the end: recorded before its usage is learnt
+                accept()
+            usage.stream_ended(sse, before + last if keep_last else b"")
         return response
