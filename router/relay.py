@@ -429,13 +429,17 @@ class Relay:
         watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
         keep_last = sse and usage.placement is not None and usage.route == "/generate"
         before = last = b""
-        # A long prompt's record in the KV index costs up to milliseconds: after the first
-        # bytes are written, not in the time to first token.
+        # A long prompt's record in the KV index costs up to milliseconds: not in the time to
+        # first token. It is made while the replica prefills, or after the first write if the
+        # first bytes came with the head.
         accept = attempt.accepted if usage.placement is attempt else None
         held = b""  # the body's last bytes, once the replica has sent its end: they go out
         # with the response's end (the empty chunk) in one write, not two
         try:
             if first is None:
+                if accept is not None:  # runs once this read waits (a request sharing the prefix
+                    # may be placed meanwhile); a no-op if the first write recorded it already
+                    asyncio.get_running_loop().call_soon(accept)
                 chunk = await readany()
                 self._first_byte(attempt, url, sent)
             else:
@@ -496,6 +500,10 @@ class Relay:
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
         if tail:
             held += tail
-        usage.stream_ended(sse, before + last if keep_last else b"")
-        await response.write_eof(held)
+        try:
+            await response.write_eof(held)
+        finally:
+            if accept is not None:  # nothing went out before the end: recorded before its usage is learnt
+                accept()
+            usage.stream_ended(sse, before + last if keep_last else b"")
         return response
