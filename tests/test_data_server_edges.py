@@ -286,3 +286,18 @@ async def test_a_header_line_that_never_ends_is_a_json_431_not_held_in_memory():
         assert data.startswith(b"HTTP/1.1 200"), data[:200]
     finally:
         await server.cleanup()
+
+
+def test_the_declared_multidict_intersects_header_names_case_insensitively():
+    # The data port finds repeated single-valued request headers, and the framing fields of an
+    # answer, by intersecting a CIMultiDict's keys with lower-case names: case-insensitive only
+    # from multidict 6.3 (aiohttp accepts older ones), so that floor must be declared.
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    floors = [re.fullmatch(r"multidict\s*>=\s*(\d+)\.(\d+)(?:\.\d+)?", d.split(";")[0].strip())
+              for d in project["project"]["dependencies"] if d.startswith("multidict")]
+    assert floors and floors[0] is not None and (int(floors[0][1]), int(floors[0][2])) >= (6, 3), floors
+    assert CIMultiDict([("Content-TYPE", "a")]).keys() & {"content-type"}
