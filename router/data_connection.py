@@ -35,6 +35,9 @@ log = logging.getLogger("kvrouter")
 _MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
 _MAX_HEADERS_TOTAL = 64 * 1024
 _MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones fit the byte bound
+# A whole head (request line, fields, their framing) within the caps above is under this. The
+# parser hands a header over only once its line ends, so an unfinished one is bounded as it comes.
+_MAX_HEAD_BYTES = _MAX_HEADERS_TOTAL + 2 * _MAX_HEADER_BYTES
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
 _QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
@@ -60,6 +63,9 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
+        self._in_head = False  # the parser is inside a request's head
+        self._heads = 0  # heads begun: one that began in a chunk is not charged that chunk
+        self._head_received = 0  # bytes of the current head, but for the chunk it began in
         self._parsing: Request | None = None
         self._queue: deque[Request] = deque()
         self._serving: Request | None = None
@@ -116,6 +122,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.upgraded:
             return
+        in_head, heads = self._in_head, self._heads
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -130,12 +137,20 @@ class Connection(asyncio.Protocol):
                 self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
             else:
                 self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
+            return
+        if in_head and self._in_head and heads == self._heads:  # all of `data` was one head's
+            self._head_received += len(data)
+            if self._head_received > _MAX_HEAD_BYTES:
+                self._protocol_error(431, "malformed HTTP request: request headers too large")
 
     # -- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url = b""
         self._raw_headers = []
         self._header_bytes = 0
+        self._in_head = True
+        self._heads += 1
+        self._head_received = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -153,6 +168,7 @@ class Connection(asyncio.Protocol):
         raw.append((name, value))  # decoded, and checked for repeats, once all have come
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         parser = self.parser
         url = self._url
         if url[:1] != b"/":  # absolute form (or "*"): only its path and query are ours

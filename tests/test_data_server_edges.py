@@ -246,3 +246,58 @@ async def test_a_single_valued_header_sent_twice_is_a_json_400_in_any_case(start
     data = await _read_all(reader)
     writer.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
+
+
+async def test_a_header_line_that_never_ends_is_a_json_431_not_held_in_memory():
+    # The parser hands a header over only once its line ends: the caps on each header are
+    # checked then, so the bytes of an unfinished head are bounded as they arrive.
+    async def echo(request):
+        return WholeResponse(200, b"{}", CIMultiDict({"Content-Type": "application/json"}))
+
+    server = DataServer({"/x": {"GET": echo}}, [], [], max_body_bytes=1000,
+                        header_timeout_s=30, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        for start in (b"GET /x HTTP/1.1\r\nHost: a\r\nX-Big: ", b"GET /x HTTP/1.1\r\nHost: a\r\nX-"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answer = asyncio.ensure_future(reader.read(65536))  # read as it comes: the server
+            writer.write(start)  # closes on what it has not read, which may reset the connection
+            try:
+                for _ in range(64):  # 4 MiB of one header's value (or name), never ended
+                    if answer.done():
+                        break
+                    writer.write(b"a" * 65536)
+                    await writer.drain()
+            except ConnectionError:
+                pass  # refused part way: what the server must do
+            data = await asyncio.wait_for(answer, 10)
+            writer.close()
+            assert data.startswith(b"HTTP/1.1 431") and b'"request_too_large"' in data, data[:200]
+        # a head within the caps, arriving in small pieces, is still served
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"GET /x HTTP/1.1\r\nHost: a\r\n" + b"".join(
+            b"X-H%d: %s\r\n" % (i, b"v" * 500) for i in range(120)) + b"Connection: close\r\n\r\n"
+        for at in range(0, len(head), 1024):
+            writer.write(head[at:at + 1024])
+            await writer.drain()
+            await asyncio.sleep(0)
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    finally:
+        await server.cleanup()
+
+
+def test_the_declared_multidict_intersects_header_names_case_insensitively():
+    # The data port finds repeated single-valued request headers, and the framing fields of an
+    # answer, by intersecting a CIMultiDict's keys with lower-case names: case-insensitive only
+    # from multidict 6.3 (aiohttp accepts older ones), so that floor must be declared.
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    floors = [re.fullmatch(r"multidict\s*>=\s*(\d+)\.(\d+)(?:\.\d+)?", d.split(";")[0].strip())
+              for d in project["project"]["dependencies"] if d.startswith("multidict")]
+    assert floors and floors[0] is not None and (int(floors[0][1]), int(floors[0][2])) >= (6, 3), floors
+    assert CIMultiDict([("Content-TYPE", "a")]).keys() & {"content-type"}
