@@ -128,10 +128,10 @@ def render_prompts(arrivals: Arrivals) -> int:
     """Generate the text of every replayed request once, before any contender runs; returns the
     characters generated. A segment's text is made on first use and kept, and every contender
     replays the same segments: without this the first contender (the judged policy) paid for
-    making it inside its requests' measured TTFT (the driver stamps a request before rendering
-    it) and on the driver's event loop, delaying every other request in flight (2.3 s of the
-    driver's CPU over the 144 requests of the default replay, up to ~190 ms for one request on
-    a loaded 2-core box, 16 times that in model time); the others found it made."""
+    making it (2.3 s of the driver's CPU over the 144 requests of the default replay, up to
+    ~190 ms for one request on a loaded 2-core box, 16 times that in model time) and the others
+    found it made. The driver renders during a request's think time, off its event loop and
+    before its clock starts, but that CPU still competes with the replay's processes."""
     chars = 0
     for _, session in arrivals:
         for _, request in session.planned():

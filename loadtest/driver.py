@@ -11,6 +11,9 @@ Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_
 (unless ``session_header=False``). Measured per request: the
 ``x-kvrouter-replica`` response header if any, and from the stream
 (:mod:`kvrouter.loadtest.chat_stream`) TTFT, mean inter-token latency, e2e and usage.
+A request's clock starts once its body exists: the prompt text is rendered during the think time
+(in a worker thread, off the event loop), so neither its own TTFT nor those of the requests in
+flight pay for it.
 A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
 (HTTP error, error event, truncated stream, exception, cancellation at the drain timeout) is a
 failure. Every request issued produces exactly one record.
@@ -167,20 +170,40 @@ class _Run:
                 return
             think = 0.0 if first is not None else batch[0].think_time_s / self.time_scale
             first = None
-            if think > 0:
-                remaining = self.deadline - self.now()
-                if think >= remaining:
-                    await asyncio.sleep(max(0.0, remaining))
-                    return
-                await asyncio.sleep(think)
+            due = self.now() + think  # the batch's scheduled start
+            if think > 0 and due >= self.deadline:
+                await asyncio.sleep(max(0.0, self.deadline - self.now()))
+                return
+            bodies = await self.render(batch)  # inside the think time, before the clock starts
+            if due > self.now():
+                await asyncio.sleep(due - self.now())
             if self.now() >= self.deadline:
                 return
-            replies = list(await asyncio.gather(*(self.one_request(r) for r in batch)))
+            replies = list(await asyncio.gather(*(self.one_request(r, b) for r, b in zip(batch, bodies))))
+
+    async def render(self, batch: Sequence[TurnRequest]) -> list[bytes]:
+        """The request bodies of ``batch``. Rendering a long prompt's text (100-400 KB, tens of ms
+        of CPU) runs in a worker thread: on the event loop it would stall the reads, and so the
+        measured TTFTs, of every request in flight; the GIL still passes back to the loop every
+        switch interval. Segments keep their text, so the next turn renders only what is new."""
+        return await asyncio.to_thread(lambda: [self.body(r) for r in batch])
+
+    def body(self, req: TurnRequest) -> bytes:
+        return orjson.dumps({
+            "model": self.model,
+            "messages": req.messages,
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra_body,
+        })
 
     # -- one request -----------------------------------------------------------------------
 
-    async def one_request(self, req: TurnRequest) -> str | None:
-        """Send one streamed request; returns the reply text, or None when it failed."""
+    async def one_request(self, req: TurnRequest, body: bytes) -> str | None:
+        """Send one streamed request (``body`` already rendered: the clock starts when the text
+        exists, so TTFT is the server's and the network's, not the driver's); returns the reply
+        text, or None when it failed."""
         ts = self.time_scale
         sent = self.now()
         rec = RequestRecord(
@@ -192,14 +215,6 @@ class _Run:
             branch_index=req.branch_index,
             is_edit=req.is_edit,
         )
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": req.messages,
-            "max_tokens": req.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **self.extra_body,
-        }
         headers = {"content-type": "application/json"}
         if self.session_header:
             headers[SESSION_HEADER] = req.session_id
@@ -207,7 +222,7 @@ class _Run:
         self.sent += 1
         self.in_flight += 1
         try:
-            async with self.http.post(url, data=orjson.dumps(body), headers=headers) as resp:
+            async with self.http.post(url, data=body, headers=headers) as resp:
                 rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status != 200:
                     text = await resp.text(errors="replace")

@@ -321,3 +321,45 @@ def test_loadtest_refuses_a_malformed_header(capsys: Any) -> None:
     assert main(["loadtest", "--target", "http://127.0.0.1:9", "--users", "1", "--duration", "1",
                  "--header", "no-colon-here"]) == 2
     assert "want 'NAME: VALUE'" in capsys.readouterr().err
+
+
+async def test_prompt_rendering_is_not_inside_the_measured_ttft(serve: Any, monkeypatch: Any) -> None:
+    """Rendering a long prompt costs the driver tens of ms; it happens before the request's clock
+    starts and off the event loop. The driver's clock jumps 100 s while the text is rendered: a
+    request stamped before rendering would report that in its TTFT."""
+    import threading
+
+    from kvrouter.loadtest import driver
+    from kvrouter.loadtest.turn_request import Segment, TurnRequest
+
+    jump = {"s": 0.0}
+    render_threads: list[threading.Thread] = []
+
+    class SlowToRender(Segment):
+        def text(self) -> str:
+            render_threads.append(threading.current_thread())
+            jump["s"] += 100.0
+            return "def f(x): return x\n" * 8
+
+    class OneTurn:
+        def __init__(self) -> None:
+            self.sent = False
+
+        def next_requests(self, replies: Any) -> list[TurnRequest]:
+            if self.sent:
+                return []
+            self.sent = True
+            segs = (SlowToRender("user", 40, "k"),)
+            return [TurnRequest("s0", 0, 0, 1, segs, 8, 4, 0.5, False, None, False, 40, 0)]
+
+    monkeypatch.setattr(driver._Run, "now", lambda self: self.loop.time() + jump["s"])
+    fake = FakeOpenAI()
+    url = await serve(fake)
+    records: list[RequestRecord] = []
+    await run_load(url, "tiny", users=None, arrivals=[(0.0, OneTurn())], duration_s=1000.0,
+                   progress=lambda line: None, records_out=records)
+    [rec] = records
+    assert rec.ok and fake.received[0]["body"]["messages"][0]["content"].startswith("def f(x)")
+    assert rec.start_s >= 100.0  # stamped after the text existed
+    assert rec.ttft_s is not None and rec.ttft_s < 100.0 and rec.e2e_s < 100.0
+    assert render_threads and threading.main_thread() not in render_threads
