@@ -345,3 +345,11 @@ def test_rehome_needs_kv_room_off_moves_as_before():
     d = policy.decide(Snapshot(tuple(reps), SessionView("s1", home="a")),
                       req(cached={"a": 10_000}, prefix_blocks=BLOCKS), random.Random(0))
     assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_overloaded_home_that_lost_the_prefix_moves_with_one_sibling_in_flight():
+    # Busy means `session_high_water` (2) requests in flight: one sibling still lets the home
+    # move with the request, as the rule's docs say.
+    reps = [ReplicaView("a", num_running_reqs=3, num_queue_reqs=3), ReplicaView("b", in_flight=2), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a", in_flight=1))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
