@@ -16,9 +16,10 @@ The rules, in order (each decision's `reason` names the rule that made it):
               above a high-water mark (running, queued, token_usage), this request goes to the
               cheapest other replica if its expected cost (a cold prefill there) beats the cost at
               home (queueing behind the session's own requests); the home is kept either way.
-              ...unless the home has also lost the session's prefix (and no sibling is in flight
-              there): then the request is cold anywhere and is placed as `rehome_evicted`, the
-              home moving with it (`lost_home_moves_with_shed`). Shed with the home kept, its KV
+              ...unless the home has also lost the session's prefix (and the session has fewer
+              than `session_high_water` requests in flight): then the request is cold anywhere
+              and is placed as `rehome_evicted`, the home moving with it
+              (`lost_home_moves_with_shed`). Shed with the home kept, its KV
               landed elsewhere while the next turn went home and was cold again (in `kvrouter
               demo`, sessions far outnumbering what the KV holds: up to a third of the requests).
 3. rehome     A session whose home is gone or unhealthy is placed by cost and gets a new home.
@@ -170,8 +171,8 @@ class CodingAgent:
         or it stays home when no candidate under its marks is clearly cheaper), not shed as
         overflow. Shed with the home kept, its KV went elsewhere while the session's next turn
         went home and found nothing there again: in a fleet with far more sessions than KV, a
-        chain of cold prefills each evicting another session. A busy session (siblings in flight
-        at home) is left to the overflow rule."""
+        chain of cold prefills each evicting another session. A busy session
+        (`session_high_water` requests in flight) is left to the overflow rule."""
         return (self.params.lost_home_moves_with_shed and not session_busy
                 and self._home_lost_prefix(home, request))
 

@@ -218,3 +218,19 @@ def test_decisions_and_predictions_set_through_their_slots_are_ordinary_frozen_d
             value.replica = "http://b"  # type: ignore[misc]
     with pytest.raises(TypeError):
         Decision("http://a")  # type: ignore[call-arg]
+
+
+def test_decisions_and_predictions_pickle_copy_and_convert_as_generated_ones_do() -> None:
+    # The decision log and the simulator may pickle, copy or convert them: the hand-written
+    # __init__ must leave those as the generated one did.
+    import copy
+    import pickle
+
+    decision = Decision("http://a", "rehome_evicted", home="http://a")
+    prediction = Prediction("http://a", 7, 0.25)
+    for value in (decision, prediction):
+        assert pickle.loads(pickle.dumps(value)) == value
+        assert copy.copy(value) == value and copy.deepcopy(value) == value
+    assert dataclasses.asdict(decision) == {"replica": "http://a", "reason": "rehome_evicted", "home": "http://a"}
+    assert repr(decision) == "Decision(replica='http://a', reason='rehome_evicted', home='http://a')"
+    assert repr(prediction) == "Prediction(replica='http://a', cached_tokens=7, ttft_s=0.25)"

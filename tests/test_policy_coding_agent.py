@@ -345,3 +345,22 @@ def test_rehome_needs_kv_room_off_moves_as_before():
     d = policy.decide(Snapshot(tuple(reps), SessionView("s1", home="a")),
                       req(cached={"a": 10_000}, prefix_blocks=BLOCKS), random.Random(0))
     assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_overloaded_home_that_lost_the_prefix_moves_with_one_sibling_in_flight():
+    # Busy means `session_high_water` (2) requests in flight: one sibling still lets the home
+    # move with the request, as the rule's docs say.
+    reps = [ReplicaView("a", num_running_reqs=3, num_queue_reqs=3), ReplicaView("b", in_flight=2), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a", in_flight=1))
+    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
+
+
+def test_kv_room_of_replicas_without_the_signals_and_of_a_prompt_larger_than_any_kv():
+    # No token_usage reported: counted as none in use (as the high-water marks count it), so
+    # the move goes ahead; a prompt over the mark of every replica's KV never moves cold.
+    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=2, max_total_num_tokens=CAP),
+            ReplicaView("b", in_flight=1), ReplicaView("c")]
+    d = decide(reps, req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason) in {("b", "rehome_evicted"), ("c", "rehome_evicted")}
+    d = decide(reps, req(prompt=600_000, cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
+    assert (d.replica, d.reason, d.home) == ("a", "stay_no_room", None)
