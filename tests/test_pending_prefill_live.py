@@ -6,14 +6,17 @@ loopback; a scripted policy, so each attempt's replica is known."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import aiohttp
 import pytest
 
 from kvrouter.policies.domain import Decision
 from kvrouter.router.app import Router
+from kvrouter.router.placement import Placement
 
 from .fakes import FakeUpstream
+from .test_pd_routing import _metric, _pd, sim_fleet  # noqa: F401  (a fixture)
 from .test_placement import Scripted
 from .test_supervise import wait_for
 
@@ -113,3 +116,32 @@ async def test_a_plain_answer_puts_no_prefill_pending_its_first_byte_is_its_end(
     before.set()
     assert await client == 200
     assert pending(router, slow) == 0 and in_flight(router, slow) == 0
+
+
+
+async def test_a_pd_pair_retried_after_its_decode_half_failed_leaves_no_prefill_pending(
+        start_router, sim_fleet, closed_port_url, monkeypatch):
+    # A decode server that never got the request: the prefill half is placed again on the same
+    # server (`Placement.again`); each attempt's prefill comes off, the last at its first byte.
+    prefill, decode = await sim_fleet(1, 1)
+    pd = _pd(prefill, decode)
+    pd["decode"].insert(0, closed_port_url)
+    router, url = await start_router([], disaggregation=pd, upstream={"max_attempts": 3})
+    assert router.decode_pool is not None
+    router.decode_pool.rng = random.Random(0)
+    failures = 'kvrouter_pd_bootstrap_failures_total{stage="decode"}'
+    again, placed_again = Placement.again, []
+    monkeypatch.setattr(Placement, "again", lambda self: (placed_again.append(self.url), again(self))[1])
+    server = prefill[0][1]
+    async with aiohttp.ClientSession() as client:
+        for _ in range(12):  # the pick ties at random between the two idle decode servers
+            async with client.post(url + CHAT, json={
+                "model": "tiny", "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hello there " * 50}],
+            }) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            assert in_flight(router, server) == 0 and pending(router, server) == 0
+            if await _metric(url, failures):
+                break
+    assert await _metric(url, failures) >= 1 and placed_again
