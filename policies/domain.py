@@ -37,10 +37,10 @@ class ReplicaView:
     # Requests the other routers on the fleet have in flight here, as they last published them
     # (router/peer_share.py; 0 with one router).
     peer_in_flight: int = 0
-    # Uncached prompt tokens of this router's requests here that have not answered their first
-    # byte yet: prefill work the replica has (or is about to have) ahead of a new request,
-    # known at once, while its polled queue lags (0 in the simulator's and hand-built views
-    # that do not track it).
+    # Uncached prompt tokens of this router's streamed requests here that have not answered
+    # their first byte yet: prefill work the replica has (or is about to have) ahead of a new
+    # request, known at once, while its polled queue lags (the registry keeps it, live and in
+    # the simulator; 0 in hand-built views).
     pending_prefill_tokens: int = 0
     # Requests on the replica: the polled running+queued (all routers) or the routers' own
     # in-flight counts, whichever is larger, so a stale poll never hides fresh dispatches.
@@ -86,6 +86,9 @@ class RequestSummary:
     # Estimated cached prefix tokens per replica, filled in from the KV index before deciding.
     cached_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     host_cached_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    # The answer is streamed, so its first byte marks the end of its prefill; a plain answer's
+    # first byte is its end, so its prefill is never counted as pending on the replica.
+    streamed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,8 +174,11 @@ class Placement:
 
     def _uncached_tokens(self, url: str) -> int:
         """The prompt tokens the KV index does not see cached on `url`: the prefill this attempt
-        puts on it (pending until its first byte)."""
+        puts on it (pending until its first byte). None for an answer that is not streamed:
+        its first byte comes at its end, long after its prefill."""
         summary = self.summary
+        if not summary.streamed:
+            return 0
         cached = summary.cached_tokens.get(url, 0) if summary.cached_tokens else 0
         on_host = summary.host_cached_tokens.get(url, 0) if summary.host_cached_tokens else 0
         return max(0, summary.prompt_tokens - cached - on_host)

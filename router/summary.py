@@ -67,5 +67,6 @@ def summarize(
         prompt_tokens=prompt_tokens,
         model=model if isinstance(model, str) else None,
         prefix_blocks=blocks,
+        streamed=body.get("stream") is True,
     )
     return summary, text_bytes

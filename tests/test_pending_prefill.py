@@ -87,3 +87,21 @@ def test_only_the_uncached_part_is_pending_and_an_attempt_that_ends_early_takes_
     assert pending(eng, B) == 10_000 - cached
     placement.done()  # it failed before a byte came back
     assert pending(eng, B) == 0
+
+
+def test_a_view_s_kept_cost_terms_follow_its_pending_prefill():
+    # The request-independent cost terms are kept on a view; a first byte changes the view, so
+    # the next snapshot's costs no longer wait behind the answered prefill.
+    eng = engine(Decision(A, "new_session", home=A))
+    p = CostParams()
+    request = RequestSummary(CHAT, prompt_tokens=1_000)
+    idle = expected_costs(p, [eng.registry.snapshot().get(A)], request, placement=False)[0]
+    placement = eng.place(RequestSummary(CHAT, session_key="s", prompt_tokens=30_000), None)
+    busy_view = eng.registry.snapshot().get(A)
+    busy = expected_costs(p, [busy_view], request, placement=False)[0]
+    assert busy_view.cost_terms is not None and busy > idle + prefill_s(p, 30_000, 0) * 0.99
+    placement.first_byte(0.5)
+    answered = expected_costs(p, [eng.registry.snapshot().get(A)], request, placement=False)[0]
+    assert answered == idle + p.decode_s_per_running  # still in flight (decoding), nothing pending
+    placement.done()
+    assert expected_costs(p, [eng.registry.snapshot().get(A)], request, placement=False)[0] == idle

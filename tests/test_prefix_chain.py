@@ -259,3 +259,60 @@ def test_a_last_message_changed_before_the_stored_last_block_is_hashed_whole():
     body = user("a" * 598 + "Xb" + "c" * 50)
     assert chains.chat_block_hashes(body, b"ns", BLOCK, "s")[0] == full(body)
     assert chains.hits == hits + 1
+
+
+# The last message rewritten from a cut point (the bytes of the stored prompt's last message
+# kept up to it, new text after), with the kind of last part and the earlier parts varied.
+_rewrite_text = st.text(alphabet="ab\u00e9\u20ac\U0001f600\x1d", min_size=0, max_size=120)
+_last_kind = st.sampled_from(["str", "parts", "tool_calls", "none"])
+
+
+def _last_message(kind: str, text: str, role: str) -> dict:
+    if kind == "parts":
+        return {"role": role, "content": [{"type": "text", "text": text}]}
+    if kind == "tool_calls":
+        return {"role": "assistant", "content": text, "tool_calls": [{"id": text[:5], "type": "f"}]}
+    if kind == "none" and not text:
+        return {"role": role, "content": None}
+    return {"role": role, "content": text}
+
+
+@settings(max_examples=400, deadline=None)
+@given(base=_rewrite_text, cut=st.floats(0.0, 1.0), added=_rewrite_text,
+       old_kind=_last_kind, new_kind=_last_kind, role=st.sampled_from(["user", "assistant"]),
+       change=st.sampled_from(["none", "system", "earlier", "tools", "role"]),
+       head=st.integers(0, 70), block=st.sampled_from([4, 7, 16]),
+       max_bytes=st.sampled_from([200, 1 << 20]), turns=st.integers(1, 3))
+def test_a_rewritten_last_message_always_hashes_as_the_whole_prompt(
+        base, cut, added, old_kind, new_kind, role, change, head, block, max_bytes, turns):
+    chains = PrefixChains(max_bytes=max_bytes, min_bytes=0)
+    system = "s" * head + "\u00e9"  # moves the last message's start against the block grid
+
+    def body_of(last: dict, system_text: str = system, earlier: str = "q", tools=None) -> dict:
+        body = {"model": "m", "messages": [{"role": "system", "content": system_text},
+                                           {"role": "user", "content": earlier}, last]}
+        if tools:
+            body["tools"] = tools
+        return body
+
+    old = body_of(_last_message(old_kind, base, role))
+    for _ in range(turns):  # stored (and re-found) before the rewrite
+        data = prompt_bytes_and_boundaries(CHAT, old)[0]
+        assert chains.chat_block_hashes(old, b"ns", block, "s") == (text_block_hashes(data, b"ns", block), len(data))
+    kept = base[: int(len(base) * cut)]  # a cut inside a multi-byte character's string index is whole
+    new_last = _last_message(new_kind, kept + added, "assistant" if change == "role" else role)
+    new = body_of(new_last,
+                  system_text=system + "!" if change == "system" else system,
+                  earlier="Q" if change == "earlier" else "q",
+                  tools=[{"a": 1}] if change == "tools" else None)
+    data = prompt_bytes_and_boundaries(CHAT, new)[0]
+    assert chains.chat_block_hashes(new, b"ns", block, "s") == (text_block_hashes(data, b"ns", block), len(data))
+    assert chains.stored_bytes <= max_bytes
+    assert chains.stored_bytes == sum(c.cost for c in chains._by_end.values())
+    assert len(chains._by_session) <= len(chains._by_end)
+    # and the session's next turn, from whatever was stored, still hashes whole
+    again = body_of(_last_message(new_kind, kept + added + "z" * 9, new_last.get("role", role)),
+                    system_text=new["messages"][0]["content"], earlier=new["messages"][1]["content"],
+                    tools=new.get("tools"))
+    data = prompt_bytes_and_boundaries(CHAT, again)[0]
+    assert chains.chat_block_hashes(again, b"ns", block, "s") == (text_block_hashes(data, b"ns", block), len(data))
