@@ -42,6 +42,9 @@ class SignalPoller:
         self.on_rank_loads = on_rank_loads  # DP attention: each rank's /v1/loads entry
         self.last_update: dict[str, float] = {}
         self.reached: set[str] = set()  # replicas that answered a poll at least once
+        # Each replica's last /metrics page and its signals: an idle replica serves the same
+        # bytes poll after poll, which need not be decoded and parsed again.
+        self.last_page: dict[str, tuple[bytes, ReplicaSignals]] = {}
 
     def up_count(self) -> int:
         """Healthy replicas that have answered a poll (not merely assumed healthy at start)."""
@@ -60,7 +63,7 @@ class SignalPoller:
                         if self.on_rank_loads is not None:
                             self.on_rank_loads(url, parse_rank_loads(loads))
                         return parse_loads_json(loads)
-                    return parse_metrics_text(body.decode("utf-8", "replace"))
+                    return self._read_page(url, body)
                 if resp.status not in (404, 405):
                     raise SignalParseError(f"{path} answered {resp.status}")
         async with session.get(url + "/health", timeout=timeout) as resp:
@@ -68,6 +71,15 @@ class SignalPoller:
             if resp.status != 200:
                 raise SignalParseError(f"/health answered {resp.status}")
         return None
+
+    def _read_page(self, url: str, page: bytes) -> ReplicaSignals:
+        """The signals of a /metrics page; the last ones again when the page is the same bytes."""
+        last = self.last_page.get(url)
+        if last is not None and last[0] == page:
+            return last[1]
+        signals = parse_metrics_text(page.decode("utf-8", "replace"))
+        self.last_page[url] = (page, signals)
+        return signals
 
     async def poll(self, session: aiohttp.ClientSession, url: str) -> None:
         try:
@@ -104,6 +116,8 @@ class SignalPoller:
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.poll(session, url) for url in self.registry.urls()))
+        for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
+            del self.last_page[url]
         self.expire_stale()
 
     async def run(self, session: aiohttp.ClientSession) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .exposition_lines import plain_samples
 from .metric_names import (
     CACHE_HIT_RATE,
     GEN_THROUGHPUT,
@@ -162,11 +163,12 @@ def _prefilter(text: str) -> tuple[str, bool]:
 def parse_metrics_text(text: str, *, strict: bool = False) -> ReplicaSignals:
     """Fold an SGLang ``/metrics`` exposition into one :class:`ReplicaSignals`.
 
-    By default only the sample lines of the signals read are handed to
-    ``prometheus_client``'s parser (about 1.5 ms instead of about 9 ms for a 50 KB
-    exposition); text without any SGLang sample, or whose selected lines do not parse,
-    raises :class:`SignalParseError`. ``strict=True`` parses (and so validates) the whole
-    exposition.
+    By default only the sample lines of the signals read are parsed (about 1.5 ms instead of
+    about 9 ms for a 50 KB exposition), and those in the plain form SGLang writes by
+    ``exposition_lines.plain_samples`` (about 10x faster than ``prometheus_client``'s parser,
+    which still reads any other); text without any SGLang sample, or whose selected lines do
+    not parse, raises :class:`SignalParseError`. ``strict=True`` parses (and so validates)
+    the whole exposition with ``prometheus_client``.
 
     Accepts ``sglang:`` and ``sglang_`` names. Per signal: samples are grouped by
     ``dp_rank`` (absent = one group); inside a group the copy with the lowest
@@ -180,30 +182,33 @@ def parse_metrics_text(text: str, *, strict: bool = False) -> ReplicaSignals:
     # field -> dp group -> (rank key, value)
     picked: dict[str, dict[str, tuple[tuple, float]]] = {}
     seen_sglang = False
+    samples = None
     if not strict:
         text, seen_sglang = _prefilter(text)
+        samples = plain_samples(text)  # None: a line needs the full parser
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                base = strip_prefix(sample.name)
-                if base is None:
-                    continue
-                seen_sglang = True
-                field = _METRIC_TO_FIELD.get(base)
-                if field is None:
-                    continue
-                labels = sample.labels
-                if labels.get("priority", ""):
-                    continue
-                value = float(sample.value)
-                if math.isnan(value):
-                    continue
-                group = labels.get("dp_rank", "")
-                key = _rank_key(labels)
-                per_group = picked.setdefault(field, {})
-                prev = per_group.get(group)
-                if prev is None or key < prev[0]:
-                    per_group[group] = (key, value)
+        if samples is None:
+            samples = [(sample.name, sample.labels, sample.value)
+                       for family in text_string_to_metric_families(text) for sample in family.samples]
+        for name, labels, raw in samples:
+            base = strip_prefix(name)
+            if base is None:
+                continue
+            seen_sglang = True
+            field = _METRIC_TO_FIELD.get(base)
+            if field is None:
+                continue
+            if labels.get("priority", ""):
+                continue
+            value = float(raw)
+            if math.isnan(value):
+                continue
+            group = labels.get("dp_rank", "")
+            key = _rank_key(labels)
+            per_group = picked.setdefault(field, {})
+            prev = per_group.get(group)
+            if prev is None or key < prev[0]:
+                per_group[group] = (key, value)
     except SignalParseError:
         raise
     except Exception as exc:  # prometheus_client raises ValueError/KeyError/IndexError
