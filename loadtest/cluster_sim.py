@@ -134,7 +134,9 @@ class ClusterSimulator(SamplingMixin):
         world = config.world
         self.profile = scale_profile(nominal, speed=world.speed, capacity=world.capacity)
         self.stride = max(1, config.index_block_tokens // self.profile.page_size)
-        self.rng = random.Random(f"sim:{config.seed}:{policy}")
+        # The traffic's own draws (warm-start turns) come from the seed alone: every policy is
+        # measured on the same sessions, whatever its name.
+        self.rng = random.Random(f"sim:{config.seed}")
         self.registry = ReplicaRegistry(failure_threshold=config.failure_threshold)
         self.table = SessionTable(ttl_s=config.session_ttl_s)
         self.affinity = LocalAffinity(self.table, clock=lambda: self.now)  # the live default store

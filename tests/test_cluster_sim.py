@@ -74,3 +74,27 @@ def test_killed_replica_sessions_rehome_and_failures_are_counted():
     records = [r for r in sim.records if r.replica == "replica-0000" and r.start_s >= 150.0]
     assert records == []  # nothing routed to it after it died
     assert result["decisions"].get("rehome", 0) > 0
+
+
+def _first_turns(policy: str) -> dict[str, tuple[int, int]]:
+    """Each of the 8 warm-started sessions' first request in the run: (turn index, prompt
+    tokens). Sessions started later, as others end, are left out."""
+    sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=60.0, seed=4, warmup_s=0), policy, WL)
+    sim.run()
+    first: dict[str, tuple[float, int, int]] = {}
+    for r in sim.records:
+        if int(r.session_id.rsplit("-", 1)[1]) >= 8:
+            continue
+        if r.session_id not in first or r.start_s < first[r.session_id][0]:
+            first[r.session_id] = (r.start_s, r.turn_index, r.prompt_tokens)
+    return {sid: (turn, prompt) for sid, (_, turn, prompt) in first.items()}
+
+
+def test_every_policy_gets_the_same_warm_start():
+    """Warm-started sessions begin part-way through their turns; how far is drawn from the seed
+    alone, never from the policy's name, or policies would be compared on different traffic."""
+    turns = _first_turns("round-robin")
+    assert len(turns) == 8
+    assert any(turn > 0 for turn, _ in turns.values())  # the warm start did skip turns
+    assert _first_turns("consistent-hash") == turns
+    assert _first_turns("coding_agent") == turns
