@@ -181,12 +181,22 @@ class _Run:
                 return
             replies = list(await asyncio.gather(*(self.one_request(r, b) for r, b in zip(batch, bodies))))
 
-    async def render(self, batch: Sequence[TurnRequest]) -> list[bytes]:
-        """The request bodies of ``batch``. Rendering a long prompt's text (100-400 KB, tens of ms
-        of CPU) runs in a worker thread: on the event loop it would stall the reads, and so the
-        measured TTFTs, of every request in flight; the GIL still passes back to the loop every
-        switch interval. Segments keep their text, so the next turn renders only what is new."""
-        return await asyncio.to_thread(lambda: [self.body(r) for r in batch])
+    async def render(self, batch: Sequence[TurnRequest]) -> list[bytes | Exception]:
+        """The request bodies of ``batch`` (or the error that rendering one raised: that request
+        then fails). Rendering a long prompt's text (100-400 KB, tens of ms of CPU) runs in a
+        worker thread: on the event loop it would stall the reads, and so the measured TTFTs, of
+        every request in flight; the GIL still passes back to the loop every switch interval.
+        Segments keep their text, so the next turn renders only what is new."""
+        return await asyncio.to_thread(self.bodies, batch)
+
+    def bodies(self, batch: Sequence[TurnRequest]) -> list[bytes | Exception]:
+        out: list[bytes | Exception] = []
+        for req in batch:
+            try:
+                out.append(self.body(req))
+            except Exception as exc:  # e.g. an extra_body value JSON cannot hold
+                out.append(exc)
+        return out
 
     def body(self, req: TurnRequest) -> bytes:
         return orjson.dumps({
@@ -200,7 +210,7 @@ class _Run:
 
     # -- one request -----------------------------------------------------------------------
 
-    async def one_request(self, req: TurnRequest, body: bytes) -> str | None:
+    async def one_request(self, req: TurnRequest, body: bytes | Exception) -> str | None:
         """Send one streamed request (``body`` already rendered: the clock starts when the text
         exists, so TTFT is the server's and the network's, not the driver's); returns the reply
         text, or None when it failed."""
@@ -222,6 +232,8 @@ class _Run:
         self.sent += 1
         self.in_flight += 1
         try:
+            if isinstance(body, Exception):
+                raise body
             async with self.http.post(url, data=body, headers=headers) as resp:
                 rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status != 200:
