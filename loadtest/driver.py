@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,9 @@ class _Run:
         self.records: list[RequestRecord] = []
         self.in_flight = 0
         self.sessions_started = 0
+        # One thread renders every body, first asked first done: renders hold the GIL, so more
+        # threads would not be faster, only finish (and send) in an order that varies run to run.
+        self.renderer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-render")
 
     def now(self) -> float:
         return self.loop.time()
@@ -187,7 +191,7 @@ class _Run:
         worker thread: on the event loop it would stall the reads, and so the measured TTFTs, of
         every request in flight; the GIL still passes back to the loop every switch interval.
         Segments keep their text, so the next turn renders only what is new."""
-        return await asyncio.to_thread(self.bodies, batch)
+        return await self.loop.run_in_executor(self.renderer, self.bodies, batch)
 
     def bodies(self, batch: Sequence[TurnRequest]) -> list[bytes | Exception]:
         out: list[bytes | Exception] = []
@@ -380,7 +384,8 @@ async def run_load(
                 task.cancel()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
-        end = run.now()
+            end = run.now()
+            run.renderer.shutdown(cancel_futures=True)  # waits for a render whose request was cancelled
         errors = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, asyncio.CancelledError)]
         if errors:
             raise errors[0]

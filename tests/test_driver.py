@@ -395,3 +395,34 @@ async def test_a_body_that_cannot_be_rendered_is_a_counted_failed_request(serve:
     assert not rec.ok and rec.error is not None and rec.error.startswith("TypeError")
     assert report["results"]["target"]["requests_failed"] == 1 and fake.received == []
 
+
+async def test_renders_run_one_at_a_time_in_the_order_sessions_asked(serve: Any) -> None:
+    """Two sessions due at once: their bodies are rendered one after the other, in the order the
+    sessions asked, so seeded runs send in the same order (and round robin over the targets gives
+    each session the same router) whatever the threads' timing."""
+    import threading
+
+    from kvrouter.loadtest.turn_request import Segment
+
+    second_started = threading.Event()
+    overlapped: list[bool] = []
+
+    class First(Segment):
+        def text(self) -> str:
+            overlapped.append(second_started.wait(0.5))  # a concurrent render would start now
+            return "first\n"
+
+    class Second(Segment):
+        def text(self) -> str:
+            second_started.set()
+            return "second\n"
+
+    fakes = [FakeOpenAI(replica="a"), FakeOpenAI(replica="b")]
+    urls = [await serve(f) for f in fakes]
+    records: list[RequestRecord] = []
+    await run_load(urls, "tiny", users=None, duration_s=5.0, progress=lambda line: None, records_out=records,
+                   arrivals=[(0.0, _OneTurn("s0", First("user", 8, "k0"))),
+                             (0.0, _OneTurn("s1", Second("user", 8, "k1")))])
+    assert overlapped == [False]
+    assert {r.session_id: r.replica for r in records} == {"s0": "a", "s1": "b"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvrouter-render")]  # none left
