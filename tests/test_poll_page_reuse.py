@@ -16,7 +16,7 @@ from kvrouter.router.poller import SignalPoller
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol import signals as signals_module
 from kvrouter.sglang_protocol.exposition_lines import plain_samples
-from kvrouter.sglang_protocol.signals import parse_metrics_text
+from kvrouter.sglang_protocol.signals import SignalParseError, parse_metrics_text
 
 from .test_sglang_metrics_parse import single_rank_exposition
 
@@ -112,3 +112,21 @@ def test_a_line_the_fast_reader_refuses_still_parses_as_before():
     text = single_rank_exposition().replace('tp_rank="0"} 2.0', 'tp_rank="0",x="a\\"b"} 2.0', 1)
     assert parse_metrics_text(text) == parse_metrics_text(text, strict=True)
     assert parse_metrics_text(text).num_queue_reqs == 2
+
+
+@pytest.mark.parametrize("running", ["+Inf", "-Inf", "1e400"])
+async def test_an_infinite_count_is_a_failed_poll_not_a_dead_poller(replica, running):
+    """An int signal cannot hold an infinity: the page is a parse error, counted as a failed
+    poll, and the poller goes on polling (the error does not escape poll_all)."""
+    url, pages = replica
+    pages["body"] = single_rank_exposition().replace('tp_rank="0"} 7.0', f'tp_rank="0"}} {running}', 1).encode()
+    with pytest.raises(SignalParseError):
+        parse_metrics_text(pages["body"].decode())
+    metrics = RouterMetrics()
+    poller = SignalPoller(ReplicaRegistry([url]), metrics, SignalsConfig())
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+        pages["body"] = page(3)
+        await poller.poll_all(session)
+    assert metrics.poll_errors.labels(url)._value.get() == 1
+    assert poller.registry.view(url).num_running_reqs == 3
