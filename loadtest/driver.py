@@ -12,8 +12,9 @@ Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_
 ``x-kvrouter-replica`` response header if any, and from the stream
 (:mod:`kvrouter.loadtest.chat_stream`) TTFT, mean inter-token latency, e2e and usage.
 A request's clock starts once its body exists: the prompt text is rendered during the think time
-(in a worker thread, off the event loop), so neither its own TTFT nor those of the requests in
-flight pay for it.
+(in a worker thread, off the event loop), so its own TTFT does not include it, and the requests in
+flight lose the loop to it only at the GIL's switch intervals. A batch with no think time (a
+session's first, in a trace replay at its scheduled time) starts when its render ends.
 A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
 (HTTP error, error event, truncated stream, exception, cancellation at the drain timeout) is a
 failure. Every request issued produces exactly one record.
