@@ -130,3 +130,23 @@ async def test_an_infinite_count_is_a_failed_poll_not_a_dead_poller(replica, run
         await poller.poll_all(session)
     assert metrics.poll_errors.labels(url)._value.get() == 1
     assert poller.registry.view(url).num_running_reqs == 3
+
+
+async def test_a_reused_page_keeps_the_signals_fresh_and_a_readded_replica_gets_them(replica):
+    """Reuse skips only the parsing: each poll of the same bytes still dates the signals (they do
+    not go stale), and a replica removed and added back under the same URL is told them again."""
+    url, _ = replica
+    now = {"t": 0.0}
+    registry = ReplicaRegistry([url])
+    poller = SignalPoller(registry, RouterMetrics(), SignalsConfig(stale_after_s=2.0), clock=lambda: now["t"])
+    async with aiohttp.ClientSession() as session:
+        for t in (0.0, 1.5, 3.0, 4.5):  # each poll inside stale_after_s of the last one
+            now["t"] = t
+            await poller.poll_all(session)
+            assert registry.view(url).num_running_reqs == 7
+        assert poller.last_update[url] == 4.5
+        registry.remove(url)
+        registry.add(url)
+        assert registry.view(url).num_running_reqs is None
+        await poller.poll_all(session)
+        assert registry.view(url).num_running_reqs == 7
