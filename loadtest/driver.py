@@ -12,8 +12,9 @@ Requests: ``POST {target}/v1/chat/completions`` with ``stream: true``, ``stream_
 ``x-kvrouter-replica`` response header if any, and from the stream
 (:mod:`kvrouter.loadtest.chat_stream`) TTFT, mean inter-token latency, e2e and usage.
 A request's clock starts once its body exists: the prompt text is rendered during the think time
-(in a worker thread, off the event loop), so neither its own TTFT nor those of the requests in
-flight pay for it.
+(in a worker thread, off the event loop), so its own TTFT does not include it, and the requests in
+flight lose the loop to it only at the GIL's switch intervals. A batch with no think time (a
+session's first, in a trace replay at its scheduled time) starts when its render ends.
 A request is ok only with HTTP 200, no SSE error event and a final ``data: [DONE]``; anything else
 (HTTP error, error event, truncated stream, exception, cancellation at the drain timeout) is a
 failure. Every request issued produces exactly one record.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,9 @@ class _Run:
         self.records: list[RequestRecord] = []
         self.in_flight = 0
         self.sessions_started = 0
+        # One thread renders every body, first asked first done: renders hold the GIL, so more
+        # threads would not be faster, only finish (and send) in an order that varies run to run.
+        self.renderer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-render")
 
     def now(self) -> float:
         return self.loop.time()
@@ -181,12 +186,22 @@ class _Run:
                 return
             replies = list(await asyncio.gather(*(self.one_request(r, b) for r, b in zip(batch, bodies))))
 
-    async def render(self, batch: Sequence[TurnRequest]) -> list[bytes]:
-        """The request bodies of ``batch``. Rendering a long prompt's text (100-400 KB, tens of ms
-        of CPU) runs in a worker thread: on the event loop it would stall the reads, and so the
-        measured TTFTs, of every request in flight; the GIL still passes back to the loop every
-        switch interval. Segments keep their text, so the next turn renders only what is new."""
-        return await asyncio.to_thread(lambda: [self.body(r) for r in batch])
+    async def render(self, batch: Sequence[TurnRequest]) -> list[bytes | Exception]:
+        """The request bodies of ``batch`` (or the error that rendering one raised: that request
+        then fails). Rendering a long prompt's text (100-400 KB, tens of ms of CPU) runs in a
+        worker thread: on the event loop it would stall the reads, and so the measured TTFTs, of
+        every request in flight; the GIL still passes back to the loop every switch interval.
+        Segments keep their text, so the next turn renders only what is new."""
+        return await self.loop.run_in_executor(self.renderer, self.bodies, batch)
+
+    def bodies(self, batch: Sequence[TurnRequest]) -> list[bytes | Exception]:
+        out: list[bytes | Exception] = []
+        for req in batch:
+            try:
+                out.append(self.body(req))
+            except Exception as exc:  # e.g. an extra_body value JSON cannot hold
+                out.append(exc)
+        return out
 
     def body(self, req: TurnRequest) -> bytes:
         return orjson.dumps({
@@ -200,7 +215,7 @@ class _Run:
 
     # -- one request -----------------------------------------------------------------------
 
-    async def one_request(self, req: TurnRequest, body: bytes) -> str | None:
+    async def one_request(self, req: TurnRequest, body: bytes | Exception) -> str | None:
         """Send one streamed request (``body`` already rendered: the clock starts when the text
         exists, so TTFT is the server's and the network's, not the driver's); returns the reply
         text, or None when it failed."""
@@ -222,6 +237,8 @@ class _Run:
         self.sent += 1
         self.in_flight += 1
         try:
+            if isinstance(body, Exception):
+                raise body
             async with self.http.post(url, data=body, headers=headers) as resp:
                 rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status != 200:
@@ -368,7 +385,8 @@ async def run_load(
                 task.cancel()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
-        end = run.now()
+            end = run.now()
+            run.renderer.shutdown(cancel_futures=True)  # waits for a render whose request was cancelled
         errors = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, asyncio.CancelledError)]
         if errors:
             raise errors[0]

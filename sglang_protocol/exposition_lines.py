@@ -16,7 +16,9 @@ __all__ = ["plain_samples"]
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*"'
-_VALUE = r"[-+]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|Inf|NaN)"
+# prometheus_client reads integer text as an int, which float() refuses beyond about 1e308:
+# longer digit runs are left to it.
+_VALUE = r"[-+]?(?:(?:[0-9]{1,300}(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|Inf|NaN)"
 _LINE = re.compile(rf"({_NAME})(?:\{{((?:{_LABEL})(?:,{_LABEL})*)?\}})? ({_VALUE})")
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
 

@@ -215,8 +215,11 @@ def parse_metrics_text(text: str, *, strict: bool = False) -> ReplicaSignals:
         raise SignalParseError(f"not a Prometheus text exposition: {exc}") from exc
     if not seen_sglang:
         raise SignalParseError("no sglang:/sglang_ metrics in exposition")
-    values = {
-        field: fold_signal(field, [v for _, v in groups.values()])
-        for field, groups in picked.items()
-    }
+    try:
+        values = {
+            field: fold_signal(field, [v for _, v in groups.values()])
+            for field, groups in picked.items()
+        }
+    except (OverflowError, ValueError) as exc:  # an infinity in an int field, or +Inf and -Inf summed
+        raise SignalParseError(f"a signal is not a finite number: {exc}") from exc
     return ReplicaSignals(**values)

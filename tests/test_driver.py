@@ -363,3 +363,66 @@ async def test_prompt_rendering_is_not_inside_the_measured_ttft(serve: Any, monk
     assert rec.start_s >= 100.0  # stamped after the text existed
     assert rec.ttft_s is not None and rec.ttft_s < 100.0 and rec.e2e_s < 100.0
     assert render_threads and threading.main_thread() not in render_threads
+
+
+class _OneTurn:
+    """A session of one request whose only message is ``segment``."""
+
+    def __init__(self, session_id: str, segment: Any) -> None:
+        self.session_id, self.segment, self.sent = session_id, segment, False
+
+    def next_requests(self, replies: Any) -> list[Any]:
+        from kvrouter.loadtest.turn_request import TurnRequest
+
+        if self.sent:
+            return []
+        self.sent = True
+        return [TurnRequest(self.session_id, 0, 0, 1, (self.segment,), 8, 4, 0.5, False, None, False, 40, 0)]
+
+
+async def test_a_body_that_cannot_be_rendered_is_a_counted_failed_request(serve: Any) -> None:
+    """Rendering runs before the request's clock starts, but its failure is still the request's:
+    one failed record, the run goes on (it neither dies nor loses the request)."""
+    from kvrouter.loadtest.turn_request import Segment
+
+    fake = FakeOpenAI()
+    url = await serve(fake)
+    records: list[RequestRecord] = []
+    report = await run_load(url, "tiny", users=None, arrivals=[(0.0, _OneTurn("s0", Segment("user", 8, "k")))],
+                            duration_s=5.0, progress=lambda line: None, records_out=records,
+                            extra_body={"not_json": {1, 2}})
+    [rec] = records
+    assert not rec.ok and rec.error is not None and rec.error.startswith("TypeError")
+    assert report["results"]["target"]["requests_failed"] == 1 and fake.received == []
+
+
+async def test_renders_run_one_at_a_time_in_the_order_sessions_asked(serve: Any) -> None:
+    """Two sessions due at once: their bodies are rendered one after the other, in the order the
+    sessions asked, so seeded runs send in the same order (and round robin over the targets gives
+    each session the same router) whatever the threads' timing."""
+    import threading
+
+    from kvrouter.loadtest.turn_request import Segment
+
+    second_started = threading.Event()
+    overlapped: list[bool] = []
+
+    class First(Segment):
+        def text(self) -> str:
+            overlapped.append(second_started.wait(0.5))  # a concurrent render would start now
+            return "first\n"
+
+    class Second(Segment):
+        def text(self) -> str:
+            second_started.set()
+            return "second\n"
+
+    fakes = [FakeOpenAI(replica="a"), FakeOpenAI(replica="b")]
+    urls = [await serve(f) for f in fakes]
+    records: list[RequestRecord] = []
+    await run_load(urls, "tiny", users=None, duration_s=5.0, progress=lambda line: None, records_out=records,
+                   arrivals=[(0.0, _OneTurn("s0", First("user", 8, "k0"))),
+                             (0.0, _OneTurn("s1", Second("user", 8, "k1")))])
+    assert overlapped == [False]
+    assert {r.session_id: r.replica for r in records} == {"s0": "a", "s1": "b"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvrouter-render")]  # none left

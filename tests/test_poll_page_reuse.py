@@ -16,7 +16,7 @@ from kvrouter.router.poller import SignalPoller
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol import signals as signals_module
 from kvrouter.sglang_protocol.exposition_lines import plain_samples
-from kvrouter.sglang_protocol.signals import parse_metrics_text
+from kvrouter.sglang_protocol.signals import SignalParseError, parse_metrics_text
 
 from .test_sglang_metrics_parse import single_rank_exposition
 
@@ -112,3 +112,41 @@ def test_a_line_the_fast_reader_refuses_still_parses_as_before():
     text = single_rank_exposition().replace('tp_rank="0"} 2.0', 'tp_rank="0",x="a\\"b"} 2.0', 1)
     assert parse_metrics_text(text) == parse_metrics_text(text, strict=True)
     assert parse_metrics_text(text).num_queue_reqs == 2
+
+
+@pytest.mark.parametrize("running", ["+Inf", "-Inf", "1e400"])
+async def test_an_infinite_count_is_a_failed_poll_not_a_dead_poller(replica, running):
+    """An int signal cannot hold an infinity: the page is a parse error, counted as a failed
+    poll, and the poller goes on polling (the error does not escape poll_all)."""
+    url, pages = replica
+    pages["body"] = single_rank_exposition().replace('tp_rank="0"} 7.0', f'tp_rank="0"}} {running}', 1).encode()
+    with pytest.raises(SignalParseError):
+        parse_metrics_text(pages["body"].decode())
+    metrics = RouterMetrics()
+    poller = SignalPoller(ReplicaRegistry([url]), metrics, SignalsConfig())
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+        pages["body"] = page(3)
+        await poller.poll_all(session)
+    assert metrics.poll_errors.labels(url)._value.get() == 1
+    assert poller.registry.view(url).num_running_reqs == 3
+
+
+async def test_a_reused_page_keeps_the_signals_fresh_and_a_readded_replica_gets_them(replica):
+    """Reuse skips only the parsing: each poll of the same bytes still dates the signals (they do
+    not go stale), and a replica removed and added back under the same URL is told them again."""
+    url, _ = replica
+    now = {"t": 0.0}
+    registry = ReplicaRegistry([url])
+    poller = SignalPoller(registry, RouterMetrics(), SignalsConfig(stale_after_s=2.0), clock=lambda: now["t"])
+    async with aiohttp.ClientSession() as session:
+        for t in (0.0, 1.5, 3.0, 4.5):  # each poll inside stale_after_s of the last one
+            now["t"] = t
+            await poller.poll_all(session)
+            assert registry.view(url).num_running_reqs == 7
+        assert poller.last_update[url] == 4.5
+        registry.remove(url)
+        registry.add(url)
+        assert registry.view(url).num_running_reqs is None
+        await poller.poll_all(session)
+        assert registry.view(url).num_running_reqs == 7
