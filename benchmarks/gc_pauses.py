@@ -253,21 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["router-child"]:
         return router_child(argv[1], argv[2], argv[3:])
     p = argparse.ArgumentParser(description="Router GC pauses under a live trace replay, before and after")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--capacity", type=float, default=4.0, help="KV per replica, in median sessions")
-    p.add_argument("--chars-per-token", type=float, default=8.0)
-    p.add_argument("--policy", default="coding-agent")
+    live_sweep.add_single_point_args(p)
     p.add_argument("--decision-log", action="store_true", help="routers write a decision log (as --records-dir)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    sweep_args = live_sweep.parse_args([])  # the live sweep's trace, profile, time scale and seed
-    for key in ("traces", "max_requests", "limit", "stagger", "max_think", "max_context", "profile",
-                "time_scale", "run_timeout", "seed"):
-        setattr(args, key, getattr(sweep_args, key))
-    arrivals = live_sweep.load_trace(args)
-    sizes = live_sweep.session_sizes(arrivals)
-    capacity = live_sweep.capacity_tokens(sizes, args.capacity, args.chars_per_token)
-    live_sweep.render_prompts(arrivals)
+    arrivals, capacity = live_sweep.single_point_replay(args)
     with tempfile.TemporaryDirectory(prefix="kvrouter-gc-pauses-") as tmp:
         out = asyncio.run(replay(args, arrivals, capacity, Path(tmp)))
     print_table(out)

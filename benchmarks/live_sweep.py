@@ -156,6 +156,27 @@ def capacity_tokens(sizes: dict[str, float], sessions: float, chars_per_token: f
     return int(trace_tokens * TRACE_TOKEN_BYTES / chars_per_token)
 
 
+def add_single_point_args(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that replays this sweep's trace at one point with one policy."""
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--capacity", type=float, default=4.0, help="KV per replica, in median sessions")
+    p.add_argument("--chars-per-token", type=float, default=8.0)
+    p.add_argument("--policy", default="coding-agent")
+
+
+def single_point_replay(args: argparse.Namespace) -> tuple[Arrivals, int]:
+    """This sweep's trace, profile, time scale and seed copied onto `args` (from the sweep's
+    defaults), the arrivals with every prompt rendered, and the replicas' KV capacity in tokens."""
+    sweep_args = parse_args([])
+    for key in ("traces", "max_requests", "limit", "stagger", "max_think", "max_context", "profile",
+                "time_scale", "run_timeout", "seed"):
+        setattr(args, key, getattr(sweep_args, key))
+    arrivals = load_trace(args)
+    capacity = capacity_tokens(session_sizes(arrivals), args.capacity, args.chars_per_token)
+    render_prompts(arrivals)
+    return arrivals, capacity
+
+
 def replica_argv(point: Point, port: int, capacity: int, args: argparse.Namespace, tmp: Path, i: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--time-scale", f"{args.time_scale:g}",
               "--chars-per-token", f"{point.chars_per_token:g}"]
