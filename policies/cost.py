@@ -165,26 +165,39 @@ def expected_costs(
 
 def _cold_placement_costs(
     model: "_Model", replicas: Iterable[ReplicaView], prompt: int, cold_prefill: float,
+    marks: tuple[int, int, float] | None = None, kept: list[ReplicaView] | None = None,
 ) -> list[float]:
     """`expected_costs(..., placement=True)` of a session nobody homes yet (`home` None) whose
-    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms."""
+    prompt no replica holds: every replica's cost is a cold prefill plus its kept terms. With
+    canonical high-water `marks` (`_canonical_marks`), a replica above any of them is skipped and
+    the others are appended to `kept`: the filter and the costs in one pass, the verdict kept
+    with the view's terms (`_view_terms`).
+
+    Most new sessions are placed here, over every sampled candidate, so it is written for speed:
+    the terms are read by index, not unpacked, so only the ones a cold placement adds are
+    touched; they are added in the same order as `expected_costs` adds them."""
     key, kv_demand_s, p = model.key, model.kv_demand_s, model.params
     out: list[float] = []
     append = out.append
     for replica in replicas:
         terms = replica.cost_terms
-        if terms is None or terms[0] is not key:
-            terms = _view_terms(model, replica)
-        _, queueing, pressure, capacity, sessions_new, _, evict_from, homed, _, _ = terms
-        cost = cold_prefill + queueing
-        if pressure:
-            cost += pressure
-        demand = homed + prompt
-        cost += kv_demand_s * demand / capacity
-        cost += sessions_new
-        excess = demand - evict_from
-        if excess >= 1:
-            cost += p.capacity_weight * prefill_s(p, int(excess), 0)
+        if marks is None:
+            if terms is None or terms[0] is not key:
+                terms = _view_terms(model, replica)
+        else:
+            if terms is None or terms[0] is not key or terms[8] is not marks:
+                terms = _view_terms(model, replica, marks)
+            if terms[9]:  # above a high-water mark
+                continue
+            kept.append(replica)  # type: ignore[union-attr]
+        cost = cold_prefill + terms[1]  # queueing
+        if terms[2]:  # KV pressure
+            cost += terms[2]
+        demand = terms[7] + prompt  # homed KV and this session's context
+        cost += kv_demand_s * demand / terms[3]  # over the capacity
+        cost += terms[4]  # sessions homed, this one included
+        if demand - terms[6] >= 1:  # past capacity_target: evicted context is recomputed
+            cost += p.capacity_weight * prefill_s(p, int(demand - terms[6]), 0)
         append(cost)
     return out
 
@@ -196,39 +209,14 @@ def cold_placement_costs_under(
     """The replicas under the high-water `marks` (a replica whose running+queued reaches
     marks[0], whose queue exceeds marks[1] or whose token_usage exceeds marks[2] is above) and
     their `expected_costs(placement=True)` with no home, in one pass; None unless nobody holds
-    any of the request's prompt (the other cases filter, then cost).
-
-    Most new sessions are placed here, over every sampled candidate: the loop of
-    `_cold_placement_costs` with the filter in front, written for speed: the view keeps its
-    verdict against the marks with its cost terms (`_view_terms`), and the terms are read by
-    index, not unpacked, so only the ones a cold placement adds are touched; the same terms are
-    added in the same order."""
+    any of the request's prompt (the other cases filter, then cost)."""
     if request.cached_tokens or request.host_cached_tokens:
         return None
-    model = _model(p)
-    key, kv_demand_s = model.key, model.kv_demand_s
-    prompt = request.prompt_tokens
-    cold_prefill = prefill_s(p, prompt, 0)
-    marks = _MARKS.get(marks) or _canonical_marks(marks)
     kept: list[ReplicaView] = []
-    out: list[float] = []
-    for replica in replicas:
-        terms = replica.cost_terms
-        if terms is None or terms[0] is not key or terms[8] is not marks:
-            terms = _view_terms(model, replica, marks)
-        if terms[9]:  # above a high-water mark
-            continue
-        kept.append(replica)
-        cost = cold_prefill + terms[1]  # queueing
-        if terms[2]:  # KV pressure
-            cost += terms[2]
-        demand = terms[7] + prompt  # homed KV and this session's context
-        cost += kv_demand_s * demand / terms[3]  # over the capacity
-        cost += terms[4]  # sessions homed, this one included
-        if demand - terms[6] >= 1:  # past capacity_target: evicted context is recomputed
-            cost += p.capacity_weight * prefill_s(p, int(demand - terms[6]), 0)
-        out.append(cost)
-    return kept, out
+    costs = _cold_placement_costs(_model(p), replicas, request.prompt_tokens,
+                                  prefill_s(p, request.prompt_tokens, 0),
+                                  _MARKS.get(marks) or _canonical_marks(marks), kept)
+    return kept, costs
 
 
 @dataclass(frozen=True, slots=True)
