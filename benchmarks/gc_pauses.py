@@ -39,7 +39,6 @@ import live_sweep  # noqa: E402
 from portable import portable_command  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _router_config_file  # noqa: E402
-from kvrouter.loadtest.driver import run_load  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, free_port, wait_ready  # noqa: E402
 from kvrouter.loadtest.report import percentile  # noqa: E402
 
@@ -198,11 +197,7 @@ async def replay(args: argparse.Namespace, arrivals: Any, capacity: int, tmp: Pa
                 gc.callbacks.append(hook)
                 replay_start = time.time()
                 try:
-                    report = await run_load(
-                        base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
-                        replica_metrics_urls=urls, progress=lambda line: None, contender=mode,
-                        drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
-                    )
+                    report = await live_sweep.replay_arrivals(base, arrivals, urls, args, mode)
                 finally:
                     replay_end = time.time()
                     gc.callbacks.remove(hook)

@@ -217,6 +217,18 @@ def write_records(path: Path, records: list[RequestRecord], replica_names: dict[
             f.write(orjson.dumps(row) + b"\n")
 
 
+async def replay_arrivals(base: str, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
+                          contender: str, records_out: list[Any] | None = None) -> dict[str, Any]:
+    """Replay `arrivals` (each session restarted) through the router at `base`, as every
+    contender of a point is replayed; `run_load`'s report."""
+    return await run_load(
+        base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
+        replica_metrics_urls=urls, progress=lambda line: None, contender=contender,
+        drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
+        records_out=records_out,
+    )
+
+
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
                         group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str,
                         point: Point) -> dict[str, Any]:
@@ -231,12 +243,7 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
     records: list[RequestRecord] = []
     try:
         t0 = time.monotonic()
-        report = await run_load(
-            base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
-            replica_metrics_urls=urls, progress=lambda line: None, contender=c.name,
-            drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
-            records_out=records,
-        )
+        report = await replay_arrivals(base, arrivals, urls, args, c.name, records)
         wall = time.monotonic() - t0
     finally:
         group.stop([proc])

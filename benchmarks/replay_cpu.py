@@ -41,7 +41,6 @@ import live_sweep  # noqa: E402
 from portable import portable_command  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _router_config_file  # noqa: E402
-from kvrouter.loadtest.driver import run_load  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, free_port, wait_ready  # noqa: E402
 
 MODES = ("before", "current")
@@ -150,11 +149,7 @@ async def replay(args: argparse.Namespace, arrivals: Any, capacity: int, tmp: Pa
                 idle_cpu = start_cpu - idle_cpu
                 started = time.perf_counter()
                 try:
-                    report = await run_load(
-                        base, "coding-agent", None, args.run_timeout, seed=args.seed, time_scale=args.time_scale,
-                        replica_metrics_urls=urls, progress=lambda line: None, contender=mode,
-                        drain_timeout_s=30.0, arrivals=[(at, s.restarted()) for at, s in arrivals],
-                    )
+                    report = await live_sweep.replay_arrivals(base, arrivals, urls, args, mode)
                 finally:
                     replay_wall = time.perf_counter() - started
                     replay_cpu = process_cpu_s(pid) - start_cpu
