@@ -22,7 +22,7 @@ from typing import Any
 
 from ..router.placement import Placement
 from ..router.ranks import RankTable, rank_key
-from ..sglang_protocol.signals import ReplicaSignals, fold_signal
+from ..sglang_protocol.signals import ReplicaSignals, fold_rank_kv, fold_signal
 from ..policies.domain import RequestSummary, SessionView
 from .cluster_config import SimConfig
 from .cluster_sim import ClusterSimulator, _Flight, _Pending
@@ -31,7 +31,7 @@ from .replica_model import ReplicaModel, RequestTooLarge, SimRequest
 from .workload import Session
 from .workload_config import WorkloadConfig
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaSignals))
+_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaSignals) if f.name != "rank_kv")
 
 
 def fold_ranks(per_rank: dict[int, ReplicaSignals]) -> ReplicaSignals:
@@ -41,6 +41,8 @@ def fold_ranks(per_rank: dict[int, ReplicaSignals]) -> ReplicaSignals:
         vs = [v for s in per_rank.values() if (v := getattr(s, name)) is not None]
         if vs:
             values[name] = fold_signal(name, vs)
+    values["rank_kv"] = fold_rank_kv([(s.token_usage, s.num_used_tokens, s.max_total_num_tokens)
+                                      for _, s in sorted(per_rank.items())])
     return ReplicaSignals(**values)
 
 

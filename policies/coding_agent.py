@@ -9,7 +9,8 @@ The rules, in order (each decision's `reason` names the rule that made it):
               prompt: the engine evicted the session there, so the request (and the home) goes
               where it starts soonest, by the per-request cost; the home keeps near-ties, and
               only a replica holding the prefix or with KV room for it (`token_usage` plus the
-              prompt under the mark) is a candidate: none, it stays home (`stay_no_room`).
+              prompt under the mark; with DP attention, on one rank) is a candidate: none, it
+              stays home (`stay_no_room`).
               Without rehome_evicted, a session stayed on a replica whose KV its neighbours kept overwriting, and a
               cold prefill there evicted theirs in turn (where KV is tight, most of the misses).
 2. overflow   If the session already has `session_high_water` requests in flight, or the home is
@@ -54,7 +55,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .domain import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
 from .cost import CostParams, expected_cost, expected_costs, prefill_s
-from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
+from .steps import (CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, has_kv_room,
+                    without)
 
 
 class CodingAgentParams(BaseModel):
@@ -70,7 +72,7 @@ class CodingAgentParams(BaseModel):
     empty_replica_max_extra_s: float = Field(1.0, ge=0, description="A replica no session calls home takes a new session if it costs at most this many seconds more than the cheapest, when that one is already home to empty_replica_min_homed sessions (0 turns it off).")
     empty_replica_min_homed: int = Field(2, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
     lost_home_moves_with_shed: bool = Field(True, description="A session whose home is over a high-water mark and has lost its prefix is placed as rehome_evicted places it (the home moves with the request), not shed as overflow with the home kept.")
-    rehome_needs_kv_room: bool = Field(True, description="A session whose home lost its prefix moves only to a replica holding its prefix or whose token_usage plus this prompt stays under replica_max_token_usage; none: it stays home (stay_no_room).")
+    rehome_needs_kv_room: bool = Field(True, description="A session whose home lost its prefix moves only to a replica holding its prefix or whose token_usage plus this prompt stays under replica_max_token_usage (on a DP-attention replica: some rank's); none: it stays home (stay_no_room).")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
@@ -179,7 +181,8 @@ class CodingAgent:
     def _with_kv_room(self, others: list[ReplicaView], request: RequestSummary) -> list[ReplicaView]:
         """The replicas a session whose home lost its prefix may move to: those holding at least
         `home_lost_fraction` of the prompt (a warm move), and those whose running requests' KV
-        (`token_usage`) leaves room for this prompt under `replica_max_token_usage`. A cold move
+        (`token_usage`; on a DP-attention replica, some rank's) leaves room for this prompt under
+        `replica_max_token_usage` (`steps.has_kv_room`). A cold move
         onto a replica without that room evicts idle sessions' prefixes there and waits for
         memory; where sessions far outnumber what the KV holds every replica is like that, and
         moving only chases KV that is not anywhere. None left: the session stays home
@@ -194,8 +197,7 @@ class CodingAgent:
         mark = p.replica_max_token_usage
         default_capacity = p.cost.default_capacity_tokens
         return [r for r in others
-                if 0 < warm <= cached.get(r.id, 0)
-                or (r.token_usage or 0.0) + prompt / (r.max_total_num_tokens or default_capacity) <= mark]
+                if 0 < warm <= cached.get(r.id, 0) or has_kv_room(r, prompt, mark, default_capacity)]
 
     # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
     def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:

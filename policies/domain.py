@@ -31,6 +31,10 @@ class ReplicaView:
     num_used_tokens: int | None = None
     max_total_num_tokens: int | None = None
     cache_hit_rate: float | None = None
+    # Each DP-attention rank's (token_usage, max_total_num_tokens) on a replica of several
+    # ranks (the fields above fold them: the worst rank's usage, the sum of the pools); None
+    # with one rank. A request runs on one rank, within that rank's KV.
+    rank_kv: tuple[tuple[float, int], ...] | None = None
     # Sessions whose home this is, and the sum of their last context sizes (their KV demand).
     homed_sessions: int = 0
     homed_tokens: int = 0

@@ -5,7 +5,8 @@ Each step is a small pure object, unit-testable on hand-built views:
               `fresh_below_mean`: fresh replicas still below the fleet's mean load.
               Both yield only usable replicas (healthy, not already tried by this request).
 - filter      `HighWater`: drops replicas above a high-water mark (running+queued, queue,
-              token_usage); `without`: drops one replica (the home, when shedding overflow).
+              token_usage); `without`: drops one replica (the home, when shedding overflow);
+              `has_kv_room`: whether a prompt fits the replica's KV (per rank with DP attention).
 - score       `ExpectedCost`: expected time to first token (policies/cost.py), lower is better.
 - pick        `NearTiePowerOfTwo`: the cheapest, or among near-ties the less loaded of two drawn.
 """
@@ -76,6 +77,17 @@ class HighWater:
         return [r for r in candidates
                 if not (r.load >= running or (r.num_queue_reqs or 0) > queue
                         or (r.token_usage or 0.0) > usage)]
+
+
+def has_kv_room(r: ReplicaView, prompt_tokens: int, max_token_usage: float, default_capacity: int) -> bool:
+    """The KV in use on `r` (`token_usage`, none when unknown) plus `prompt_tokens` stays at or
+    under `max_token_usage` of its pool (`default_capacity` when unknown). On a replica of
+    several DP-attention ranks the request runs on one rank, within that rank's pool: room is
+    some rank's room. (The folded view would mislead both ways: the worst rank's usage hides
+    an empty rank, the sum of the pools shows room for a prompt no one rank holds.)"""
+    if r.rank_kv:
+        return any(usage + prompt_tokens / pool <= max_token_usage for usage, pool in r.rank_kv)
+    return (r.token_usage or 0.0) + prompt_tokens / (r.max_total_num_tokens or default_capacity) <= max_token_usage
 
 
 def without(candidates: Sequence[ReplicaView], replica_id: str) -> list[ReplicaView]:

@@ -20,7 +20,7 @@ from ..policies.domain import ReplicaView, Snapshot
 
 _SIGNAL_FIELDS = (
     "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",
-    "max_total_num_tokens", "cache_hit_rate",
+    "max_total_num_tokens", "cache_hit_rate", "rank_kv",
 )
 
 # ReplicaView's constructor fields in order: `_replaced` rebuilds a view positionally, as

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
-from .signals import ReplicaSignals, SignalParseError, fold_signal
+from .signals import ReplicaSignals, SignalParseError, fold_rank_kv, fold_signal
 
 __all__ = ["parse_loads_json", "parse_rank_loads"]
 
@@ -76,7 +76,8 @@ def parse_loads_json(obj: Any) -> ReplicaSignals:
 
     Across DP ranks: counts and pool sizes are summed, throughput summed, cache_hit_rate
     averaged, token_usage is the max reported ratio (SGLang's own "bottleneck" reading),
-    or sum(used)/sum(capacity) when no rank reports a ratio (``/get_load``).
+    or sum(used)/sum(capacity) when no rank reports a ratio (``/get_load``). Several ranks
+    also give each rank's KV usage and pool (``rank_kv``), in ``dp_rank`` order.
     """
     if isinstance(obj, (bytes, bytearray, memoryview, str)):
         import orjson
@@ -100,8 +101,11 @@ def parse_loads_json(obj: Any) -> ReplicaSignals:
         raise SignalParseError("load payload has no entries")
 
     per_field: dict[str, list[float]] = {}
-    for entry in entries:
-        for field, v in _entry_fields(entry).items():
+    per_rank: list[tuple[Any, dict[str, float]]] = []
+    for i, entry in enumerate(entries):
+        fields = _entry_fields(entry)
+        per_rank.append((entry.get("dp_rank", i), fields))
+        for field, v in fields.items():
             per_field.setdefault(field, []).append(v)
     if not per_field:
         raise SignalParseError("load payload carries no known signal")
@@ -117,7 +121,17 @@ def parse_loads_json(obj: Any) -> ReplicaSignals:
         values["token_usage"] = max(per_field["token_usage"])
     elif used and cap and len(used) == len(cap) and sum(cap) > 0:
         values["token_usage"] = math.fsum(used) / math.fsum(cap)
+    if len(per_rank) > 1:
+        ranks = [f for _, f in sorted(per_rank, key=_rank_order)]
+        values["rank_kv"] = fold_rank_kv([(f.get("token_usage"), f.get("num_used_tokens"),
+                                           f.get("max_total_num_tokens")) for f in ranks])
     return ReplicaSignals(**values)
+
+
+def _rank_order(item: tuple[Any, dict[str, float]]) -> tuple[bool, Any]:
+    """Entries by `dp_rank` (an entry without a usable one keeps its place after them)."""
+    rank = item[0]
+    return (not isinstance(rank, int), rank if isinstance(rank, int) else 0)
 
 
 def parse_rank_loads(obj: Any) -> dict[int, ReplicaSignals]:

@@ -36,7 +36,7 @@ from .metric_names import (
     strip_prefix,
 )
 
-__all__ = ["ReplicaSignals", "SignalParseError", "fold_signal", "parse_metrics_text"]
+__all__ = ["ReplicaSignals", "SignalParseError", "fold_rank_kv", "fold_signal", "parse_metrics_text"]
 
 class SignalParseError(ValueError):
     """The input is not an SGLang metrics exposition / load report."""
@@ -44,7 +44,7 @@ class SignalParseError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSignals:
-    """Load and cache signals of one replica (all DP ranks folded together).
+    """Load and cache signals of one replica (all DP ranks folded together, but `rank_kv`).
 
     ``None`` means the replica did not report that signal.
     """
@@ -60,6 +60,11 @@ class ReplicaSignals:
     kv_evictable_tokens: Optional[int] = None
     host_used_tokens: Optional[int] = None
     host_total_tokens: Optional[int] = None
+    # Each DP rank's (token_usage, max_total_num_tokens), in rank order, on a replica of several
+    # DP-attention ranks: a request runs on one rank, within that rank's KV pool, which the
+    # folded usage (the worst rank's) and pool (the sum) do not tell. None with one rank, or
+    # when a rank reported no pool size.
+    rank_kv: Optional[tuple[tuple[float, int], ...]] = None
 
 
 # How each signal is folded across DP ranks: "sum" (independent pools/queues), "max"
@@ -139,6 +144,26 @@ def _finish(field: str, value: float) -> Any:
 def fold_signal(field: str, values: list[float]) -> Any:
     """One :class:`ReplicaSignals` field folded across DP ranks (int fields rounded)."""
     return _finish(field, _fold(_FOLD[field], values))
+
+
+def fold_rank_kv(
+    ranks: list[tuple[Optional[float], Optional[float], Optional[float]]],
+) -> Optional[tuple[tuple[float, int], ...]]:
+    """`ReplicaSignals.rank_kv` from each rank's (token_usage, num_used_tokens,
+    max_total_num_tokens), in rank order: a rank without a usage ratio has used / pool. None
+    with fewer than two ranks, or when a rank's pool or usage is unknown."""
+    if len(ranks) < 2:
+        return None
+    out = []
+    for usage, used, pool in ranks:
+        if not pool or pool <= 0:
+            return None
+        if usage is None:
+            if used is None:
+                return None
+            usage = used / pool
+        out.append((float(usage), int(round(pool))))
+    return tuple(out)
 
 
 _WANTED_LINE_PREFIXES = tuple(
