@@ -143,7 +143,7 @@ class SimCollector:
                             fam.add_metric(values + [source], float(v))
                 elif by_stream:
                     for stream in (False, True):
-                        v = r.stream_counters.get((spec.base, stream))
+                        v = r.tokenizer_metrics.stream_counters.get((spec.base, stream))
                         if v is not None:
                             fam.add_metric(values + [sg.streaming_label(stream)], v)
                 elif counters.get(spec.base, 0) > 0:
@@ -153,10 +153,10 @@ class SimCollector:
                 fam = HistogramMetricFamily(name, spec.help, labels=spec.labels)
                 if by_stream:
                     for stream in (False, True):
-                        h = r.stream_histograms.get((spec.base, stream))
+                        h = r.tokenizer_metrics.stream_histograms.get((spec.base, stream))
                         if h is not None:
                             fam.add_metric(values + [sg.streaming_label(stream)], h.buckets(), h.sum)
                 else:
-                    h = r.histograms[spec.base]
+                    h = r.tokenizer_metrics.histograms[spec.base]
                     fam.add_metric(values, h.buckets(), h.sum)
                 yield fam

@@ -42,7 +42,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..sglang_protocol import metric_names as sg
 from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
 from .profiles import Profile, load_profile, rank_profile
@@ -51,7 +50,8 @@ from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .replica_signals import PublishedLoads, PublishedMetrics
 from .sim_disagg import Disaggregation, RoomBoard, RoomResult
 from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
-from .sim_metrics import Histogram, SimCollector
+from .sim_metrics import SimCollector
+from .sim_tokenizer_metrics import TokenizerMetrics
 
 log = logging.getLogger("kvrouter.sim")
 
@@ -178,15 +178,7 @@ class SimReplica:
         engine_type = self.disagg.mode if self.disagg.enabled else "unified"
         self.scheduler_label_values = (self.served_model_name, engine_type, "0", "0", "0")
         self.tokenizer_label_values = (self.served_model_name, engine_type)
-        # Tokenizer metrics, per is_streaming value where SGLang labels them so; a label set
-        # appears once a request has touched it, as with prometheus_client.
-        self.histograms: dict[str, Histogram] = {
-            spec.base: Histogram(spec.buckets or ())
-            for spec in sg.METRIC_SPECS
-            if spec.type == "histogram" and sg.IS_STREAMING not in spec.labels
-        }
-        self.stream_histograms: dict[tuple[str, bool], Histogram] = {}
-        self.stream_counters: dict[tuple[str, bool], float] = {}
+        self.tokenizer_metrics = TokenizerMetrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SimCollector(self))  # type: ignore[arg-type]
         self.created = int(time.time())
@@ -282,20 +274,9 @@ class SimReplica:
                 if handle is not None:
                     handle.cancel()
 
-    def _stream_histogram(self, base: str, stream: bool) -> Histogram:
-        h = self.stream_histograms.get((base, stream))
-        if h is None:
-            h = self.stream_histograms[(base, stream)] = Histogram(sg.SPEC_BY_BASE[base].buckets or ())
-        return h
-
-    def _count(self, base: str, stream: bool, value: float) -> None:
-        self.stream_counters[(base, stream)] = self.stream_counters.get((base, stream), 0.0) + value
-
     def _on_first(self, ev: FirstToken) -> None:
         st = self._reqs.get(ev.rid)
-        stream = st.stream if st is not None else False
-        self._stream_histogram(sg.TIME_TO_FIRST_TOKEN_SECONDS, stream).observe(ev.ttft)
-        self.histograms[sg.QUEUE_TIME_SECONDS].observe(ev.queue_time)
+        self.tokenizer_metrics.first_token(ev, st.stream if st is not None else False)
         if st is not None:
             st.first = ev
             st.changed.set()
@@ -304,16 +285,7 @@ class SimReplica:
         st = self._reqs.pop(ev.rid, None)
         if st is None:
             return
-        self._stream_histogram(sg.E2E_REQUEST_LATENCY_SECONDS, st.stream).observe(ev.time - st.submit_time)
-        self._count(sg.PROMPT_TOKENS_TOTAL, st.stream, ev.prompt_tokens)
-        self._count(sg.GENERATION_TOKENS_TOTAL, st.stream, ev.completion_tokens)
-        self._count(sg.NUM_REQUESTS_TOTAL, st.stream, 1)
-        if st.first is not None and ev.completion_tokens > 1:
-            # observe_inter_token_latency: interval / n tokens into one bucket, n times; the
-            # whole interval into _sum.
-            interval = ev.time - st.first.time
-            n = ev.completion_tokens - 1
-            self.histograms[sg.INTER_TOKEN_LATENCY_SECONDS].observe(interval / n, n, interval)
+        self.tokenizer_metrics.finished(ev, st.stream, st.submit_time, st.first)
         st.finished = ev
         self._settle_room(st)
         st.changed.set()
