@@ -71,16 +71,15 @@ def render_message(m: Mapping[str, Any]) -> bytes:
     return b"".join((role, b"\x1e", _content_bytes(m.get("content")), calls, b"\x1d"))
 
 
+_is_dict = dict.__instancecheck__  # isinstance(x, dict), callable without a Python frame
+
+
 def chat_parts(body: Mapping[str, Any]) -> list[Any]:
     """What a chat prompt is rendered from, one entry per `render_part`: the tools (if any),
     then every message."""
     messages = body.get("messages") or ()
-    if not isinstance(messages, list):
-        parts: list[Any] = []
-    elif set(map(type, messages)) <= {dict}:  # the usual case, without a Python-level loop
-        parts = messages[:]
-    else:
-        parts = [m for m in messages if isinstance(m, dict)]
+    # one C-level pass that checks and copies (a Python-level loop would cost ~10x per message)
+    parts: list[Any] = list(filter(_is_dict, messages)) if isinstance(messages, list) else []
     if body.get("tools"):
         parts.insert(0, _Tools(body["tools"]))
     return parts
