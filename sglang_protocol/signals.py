@@ -156,13 +156,14 @@ def fold_rank_kv(
         return None
     out = []
     for usage, used, pool in ranks:
-        if not pool or pool <= 0:
+        tokens = int(round(pool)) if pool else 0
+        if tokens <= 0:  # a pool under half a token would be divided by as 0
             return None
         if usage is None:
             if used is None:
                 return None
             usage = used / pool
-        out.append((float(usage), int(round(pool))))
+        out.append((float(usage), tokens))
     return tuple(out)
 
 

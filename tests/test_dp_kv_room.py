@@ -78,3 +78,14 @@ def test_a_prompt_larger_than_one_ranks_pool_does_not_move_to_a_dp_replica():
     # Both ranks empty: the pools summed said room for a prompt no one rank holds.
     d = _decide(polled_view("http://b", 0.0, 0.0), prompt=int(1.2 * RANK_POOL))
     assert (d.replica, d.reason, d.home) == ("http://a", "stay_no_room", None)
+
+
+def test_a_pool_that_rounds_to_zero_tokens_is_no_rank_pool():
+    body = loads_body(0.0, 0.0)
+    for entry in body["loads"]:
+        entry["max_total_num_tokens"] = 0.4
+    registry = ReplicaRegistry(["http://b"])
+    registry.update_signals("http://b", parse_loads_json(body))
+    view = registry.view("http://b")
+    assert view is not None and view.rank_kv is None
+    assert not has_kv_room(view, 10, MARK, RANK_POOL)  # the folded reading (a 1-token pool), not a division by 0
