@@ -15,6 +15,7 @@ from kvrouter.policies.domain import ReplicaView, RequestSummary, SessionView, S
 from kvrouter.policies.steps import has_kv_room
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.loads import parse_loads_json, parse_rank_loads
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 RANK_POOL = 100_000  # KV tokens of each DP rank
 MARK = 0.92  # coding-agent's replica_max_token_usage
@@ -78,6 +79,25 @@ def test_a_prompt_larger_than_one_ranks_pool_does_not_move_to_a_dp_replica():
     # Both ranks empty: the pools summed said room for a prompt no one rank holds.
     d = _decide(polled_view("http://b", 0.0, 0.0), prompt=int(1.2 * RANK_POOL))
     assert (d.replica, d.reason, d.home) == ("http://a", "stay_no_room", None)
+
+
+def metrics_page(*usages: float) -> str:
+    """A `/metrics` page of one replica whose DP ranks (SGLang's `dp_rank` label) have these
+    token_usage values, listed from the last rank to the first."""
+    lines = []
+    for name, value in (("token_usage", lambda u: u), ("max_total_num_tokens", lambda u: RANK_POOL),
+                        ("num_used_tokens", lambda u: int(u * RANK_POOL))):
+        lines += [f"# TYPE sglang:{name} gauge"]
+        lines += [f'sglang:{name}{{model_name="m",tp_rank="0",dp_rank="{rank}"}} {float(value(u))}'
+                  for rank, u in reversed(list(enumerate(usages)))]
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_pages_keep_each_ranks_kv_as_loads_bodies_do():
+    signals = parse_metrics_text(metrics_page(1.0, 0.0, 0.25))
+    assert signals.rank_kv == parse_loads_json(loads_body(1.0, 0.0, 0.25)).rank_kv
+    assert signals.rank_kv == ((1.0, RANK_POOL), (0.0, RANK_POOL), (0.25, RANK_POOL))
+    assert parse_metrics_text(metrics_page(0.5)).rank_kv is None  # one rank
 
 
 def test_a_pool_that_rounds_to_zero_tokens_is_no_rank_pool():
