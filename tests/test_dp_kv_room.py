@@ -81,6 +81,18 @@ def test_a_prompt_larger_than_one_ranks_pool_does_not_move_to_a_dp_replica():
     assert (d.replica, d.reason, d.home) == ("http://a", "stay_no_room", None)
 
 
+def test_a_dp_replica_with_one_full_rank_and_one_empty_takes_the_session():
+    # The worst rank over the usage mark put the replica over the high-water mark, which ran
+    # before the room check: the empty rank was never seen.
+    d = _decide(polled_view("http://b", 1.0, 0.0), prompt=RANK_POOL // 2)
+    assert (d.replica, d.reason, d.home) == ("http://b", "rehome_evicted", "http://b")
+
+
+def test_a_dp_replica_with_every_rank_over_the_mark_still_does_not():
+    d = _decide(polled_view("http://b", 1.0, 0.95), prompt=RANK_POOL // 20)
+    assert d.replica == "http://a"
+
+
 def metrics_page(*usages: float) -> str:
     """A `/metrics` page of one replica whose DP ranks (SGLang's `dp_rank` label) have these
     token_usage values, listed from the last rank to the first."""
