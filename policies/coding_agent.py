@@ -50,6 +50,7 @@ Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -150,7 +151,7 @@ class CodingAgent:
         anywhere, so it goes where it starts soonest: the per-request cost (queueing, prefill of
         what each replica holds, KV pressure from `token_usage`), and the session's home moves
         with it. The home keeps near-ties."""
-        others = self.high_water(without(self.candidates(snapshot, request, rng), home.id))
+        others = self._under_marks(without(self.candidates(snapshot, request, rng), home.id), request)
         if not others:
             return Decision(home.id, "affinity")
         others = self._with_kv_room(others, request)
@@ -177,6 +178,21 @@ class CodingAgent:
         (`session_high_water` requests in flight) is left to the overflow rule."""
         return (self.params.lost_home_moves_with_shed and not session_busy
                 and self._home_lost_prefix(home, request))
+
+    def _under_marks(self, candidates: list[ReplicaView], request: RequestSummary) -> list[ReplicaView]:
+        """The candidates under the high-water marks; a DP-attention replica over the
+        token_usage mark stays one if some rank has room for this prompt (`has_kv_room`, as
+        `_with_kv_room` asks): the move runs on one rank, and the folded usage is the worst
+        rank's, which would turn away a replica with one full rank and one empty."""
+        under = self.high_water(candidates)
+        if len(under) == len(candidates) or not any(r.rank_kv for r in candidates):
+            return under
+        hw, p = self.high_water, self.params
+        return [r for r in candidates
+                if not hw.overloaded(r)
+                or (r.rank_kv and not hw.overloaded(replace(r, token_usage=None))
+                    and has_kv_room(r, request.prompt_tokens, p.replica_max_token_usage,
+                                    p.cost.default_capacity_tokens))]
 
     def _with_kv_room(self, others: list[ReplicaView], request: RequestSummary) -> list[ReplicaView]:
         """The replicas a session whose home lost its prefix may move to: those holding at least

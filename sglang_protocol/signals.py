@@ -156,14 +156,26 @@ def fold_rank_kv(
         return None
     out = []
     for usage, used, pool in ranks:
-        if not pool or pool <= 0:
+        tokens = int(round(pool)) if pool else 0
+        if tokens <= 0:  # a pool under half a token would be divided by as 0
             return None
         if usage is None:
             if used is None:
                 return None
             usage = used / pool
-        out.append((float(usage), int(round(pool))))
+        out.append((float(usage), tokens))
     return tuple(out)
+
+
+def _rank_kv(picked: dict[str, dict[str, tuple[tuple, float]]]) -> Optional[tuple[tuple[float, int], ...]]:
+    """`rank_kv` from the samples of each ``dp_rank`` label, as ``/v1/loads`` gives it (None
+    unless every pool sample names a numeric rank)."""
+    pools = picked.get("max_total_num_tokens", {})
+    if len(pools) < 2 or not all(group.isdecimal() for group in pools):
+        return None
+    usage, used = picked.get("token_usage", {}), picked.get("num_used_tokens", {})
+    return fold_rank_kv([(usage[g][1] if g in usage else None, used[g][1] if g in used else None, pools[g][1])
+                         for g in sorted(pools, key=int)])
 
 
 _WANTED_LINE_PREFIXES = tuple(
@@ -199,7 +211,8 @@ def parse_metrics_text(text: str, *, strict: bool = False) -> ReplicaSignals:
     ``dp_rank`` (absent = one group); inside a group the copy with the lowest
     (tp_rank, pp_rank, moe_ep_rank) wins, since other ranks only repeat it; groups are
     then summed (queues, token counts, pool sizes, throughput), max-ed (token_usage) or
-    averaged (cache_hit_rate). Per-priority breakdown samples (``priority`` != "") are
+    averaged (cache_hit_rate); with several ``dp_rank`` groups, each rank's KV usage and pool
+    are kept too (``rank_kv``). Per-priority breakdown samples (``priority`` != "") are
     skipped because the total sits under ``priority=""``.
     """
     if not isinstance(text, str):
@@ -245,6 +258,7 @@ def parse_metrics_text(text: str, *, strict: bool = False) -> ReplicaSignals:
             field: fold_signal(field, [v for _, v in groups.values()])
             for field, groups in picked.items()
         }
+        values["rank_kv"] = _rank_kv(picked)
     except (OverflowError, ValueError) as exc:  # an infinity in an int field, or +Inf and -Inf summed
         raise SignalParseError(f"a signal is not a finite number: {exc}") from exc
     return ReplicaSignals(**values)

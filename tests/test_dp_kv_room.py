@@ -15,6 +15,7 @@ from kvrouter.policies.domain import ReplicaView, RequestSummary, SessionView, S
 from kvrouter.policies.steps import has_kv_room
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.loads import parse_loads_json, parse_rank_loads
+from kvrouter.sglang_protocol.signals import parse_metrics_text
 
 RANK_POOL = 100_000  # KV tokens of each DP rank
 MARK = 0.92  # coding-agent's replica_max_token_usage
@@ -78,3 +79,45 @@ def test_a_prompt_larger_than_one_ranks_pool_does_not_move_to_a_dp_replica():
     # Both ranks empty: the pools summed said room for a prompt no one rank holds.
     d = _decide(polled_view("http://b", 0.0, 0.0), prompt=int(1.2 * RANK_POOL))
     assert (d.replica, d.reason, d.home) == ("http://a", "stay_no_room", None)
+
+
+def test_a_dp_replica_with_one_full_rank_and_one_empty_takes_the_session():
+    # The worst rank over the usage mark put the replica over the high-water mark, which ran
+    # before the room check: the empty rank was never seen.
+    d = _decide(polled_view("http://b", 1.0, 0.0), prompt=RANK_POOL // 2)
+    assert (d.replica, d.reason, d.home) == ("http://b", "rehome_evicted", "http://b")
+
+
+def test_a_dp_replica_with_every_rank_over_the_mark_still_does_not():
+    d = _decide(polled_view("http://b", 1.0, 0.95), prompt=RANK_POOL // 20)
+    assert d.replica == "http://a"
+
+
+def metrics_page(*usages: float) -> str:
+    """A `/metrics` page of one replica whose DP ranks (SGLang's `dp_rank` label) have these
+    token_usage values, listed from the last rank to the first."""
+    lines = []
+    for name, value in (("token_usage", lambda u: u), ("max_total_num_tokens", lambda u: RANK_POOL),
+                        ("num_used_tokens", lambda u: int(u * RANK_POOL))):
+        lines += [f"# TYPE sglang:{name} gauge"]
+        lines += [f'sglang:{name}{{model_name="m",tp_rank="0",dp_rank="{rank}"}} {float(value(u))}'
+                  for rank, u in reversed(list(enumerate(usages)))]
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_pages_keep_each_ranks_kv_as_loads_bodies_do():
+    signals = parse_metrics_text(metrics_page(1.0, 0.0, 0.25))
+    assert signals.rank_kv == parse_loads_json(loads_body(1.0, 0.0, 0.25)).rank_kv
+    assert signals.rank_kv == ((1.0, RANK_POOL), (0.0, RANK_POOL), (0.25, RANK_POOL))
+    assert parse_metrics_text(metrics_page(0.5)).rank_kv is None  # one rank
+
+
+def test_a_pool_that_rounds_to_zero_tokens_is_no_rank_pool():
+    body = loads_body(0.0, 0.0)
+    for entry in body["loads"]:
+        entry["max_total_num_tokens"] = 0.4
+    registry = ReplicaRegistry(["http://b"])
+    registry.update_signals("http://b", parse_loads_json(body))
+    view = registry.view("http://b")
+    assert view is not None and view.rank_kv is None
+    assert not has_kv_room(view, 10, MARK, RANK_POOL)  # the folded reading (a 1-token pool), not a division by 0
