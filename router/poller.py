@@ -1,6 +1,9 @@
 """Replica signal pollers: every `interval_s`, scrape each replica's SGLang `/metrics` (or
-`/v1/loads`) concurrently; a scrape that answers is also a health check. A slow or dead replica
-never delays the others (each scrape has its own timeout). Signals older than `stale_after_s`
+`/v1/loads`); a scrape that answers is also a health check. The scrapes of one round start
+spread evenly over the interval, not all at once: answering a scrape costs each replica some
+CPU, and a round that hits every replica at the same instant stalls them all together (with the
+router parsing every page back to back) where they share CPU. A slow or dead replica never
+delays the others' scrapes (each has its own timeout). Signals older than `stale_after_s`
 are cleared to unknown; `failure_threshold` consecutive failures make a replica unhealthy until
 a scrape succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -33,11 +36,13 @@ class SignalPoller:
         clock: Callable[[], float] = time.monotonic,
         on_signals: Callable[[str, ReplicaSignals], None] | None = None,
         on_rank_loads: Callable[[str, dict[int, ReplicaSignals]], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.config = config
         self.clock = clock
+        self.sleep = sleep  # waits between the scrapes of a round (tests pass a fake one)
         self.on_signals = on_signals or (lambda url, signals: None)
         self.on_rank_loads = on_rank_loads  # DP attention: each rank's /v1/loads entry
         self.last_update: dict[str, float] = {}
@@ -114,14 +119,25 @@ class SignalPoller:
                 self.registry.update_signals(url, None)
                 del self.last_update[url]
 
-    async def poll_all(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self.poll(session, url) for url in self.registry.urls()))
+    async def poll_all(self, session: aiohttp.ClientSession, spread_s: float = 0.0) -> None:
+        """Scrape every replica once; returns when every scrape has ended. With `spread_s`, the
+        i-th of n replicas is scraped `i * spread_s / n` after the first (each scrape runs on
+        while the next ones start); without, all at once."""
+        urls = self.registry.urls()
+        started = self.clock()
+        async with asyncio.TaskGroup() as scrapes:
+            for i, url in enumerate(urls):
+                if i and spread_s > 0:
+                    await self.sleep(max(0.0, started + i * spread_s / len(urls) - self.clock()))
+                scrapes.create_task(self.poll(session, url))
         for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
             del self.last_page[url]
         self.expire_stale()
 
     async def run(self, session: aiohttp.ClientSession) -> None:
+        """Scrape every replica each `interval_s`, the round's scrapes spread over it."""
+        interval = self.config.interval_s
         while True:
             started = self.clock()
-            await self.poll_all(session)
-            await asyncio.sleep(max(0.0, self.config.interval_s - (self.clock() - started)))
+            await self.poll_all(session, spread_s=interval)
+            await self.sleep(max(0.0, interval - (self.clock() - started)))
