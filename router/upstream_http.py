@@ -25,6 +25,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .json_splice import SplicedBody
+from .upstream_errors import (
+    UpstreamBodyError as UpstreamBodyError,
+    UpstreamConnectError as UpstreamConnectError,
+    UpstreamConnectTimeout as UpstreamConnectTimeout,
+    UpstreamError as UpstreamError,
+    UpstreamTimeout as UpstreamTimeout,
+)
 
 # A pooled connection idle this long is not reused: below uvicorn's default keep-alive timeout
 # (5 s, which SGLang keeps), so the router does not race a replica closing an idle connection.
@@ -34,33 +41,6 @@ _READ_HIGH_WATER = 1 << 20
 # A request body this large goes out behind its head in one vectored write instead of being
 # copied behind it; below it the copy is cheaper than the vectored write's bookkeeping.
 _VECTORED_BODY_BYTES = 64 * 1024
-
-
-class UpstreamError(Exception):
-    """The exchange with the replica failed."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """No response started: refused, reset, closed early or garbled. Safe to try elsewhere."""
-
-
-class UpstreamConnectTimeout(UpstreamConnectError, TimeoutError):
-    """The connection was not established in time: nothing was sent. Safe to try elsewhere."""
-
-
-class UpstreamBodyError(UpstreamError):
-    """The response started, then the replica broke off before its end."""
-
-
-class UpstreamTimeout(UpstreamError, TimeoutError):
-    """The replica has the request but missed a deadline: `kind` is "header_timeout" (no headers
-    in time), "idle_timeout" (a gap between body bytes too long) or "total_timeout" (the whole
-    exchange). Not safe to retry: the replica may still be working on it. The connection is
-    aborted, so the replica stops."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 class UpstreamResponse:
