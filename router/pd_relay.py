@@ -39,7 +39,7 @@ from .headers import REQUEST_ID
 from .placement import Placement, RequestRoute
 from .ranks import room_for_rank
 from .upstream_errors import UpstreamConnectError, UpstreamConnectTimeout, UpstreamTimeout
-from .upstream_http import UpstreamResponse
+from .upstream_response import UpstreamResponse
 from .usage import UsageAccount
 
 if TYPE_CHECKING:
