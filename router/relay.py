@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from .pd_relay import PDForwarder
 from .usage import OPENAI_ROUTES, UsageAccount, holds_usage_event
 from .upstream_errors import UpstreamBodyError, UpstreamConnectError, UpstreamConnectTimeout, UpstreamTimeout
-from .upstream_http import UpstreamPool, UpstreamResponse
+from .upstream_http import UpstreamPool
+from .upstream_response import UpstreamResponse
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
@@ -250,7 +251,8 @@ class Relay:
             route.last = current
             status: int | None = None  # the replica's answer, for the upstream span
             try:  # no await since place() or retry(): done() always releases the slot
-                await current.confirm_home(route.store)
+                if current.home_pending:  # (no coroutine for a request without a session)
+                    await current.confirm_home(route.store)
                 url = current.url
                 if trace is not None:
                     trace.decided(current, decide_ns)
@@ -321,7 +323,9 @@ class Relay:
                 # Nothing has reached the client yet: a replica failing before its first body
                 # bytes gets a clean error status, not a cut connection.
                 try:
-                    first = await (upstream.read() if whole else upstream.readany())
+                    first = upstream.body_now() if whole else None
+                    if first is None:
+                        first = await (upstream.read() if whole else upstream.readany())
                 except UpstreamTimeout as err:
                     attempt.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
