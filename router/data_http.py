@@ -79,6 +79,15 @@ class Request:
     def is_eof(self) -> bool:
         return self._complete
 
+    def body_now(self) -> bytes | None:
+        """The whole body if all of it has come and is within the limits, else None (then
+        `read` waits for it, or raises what is wrong with it): no coroutine for the common case
+        of a small body that came with the headers."""
+        if not self._complete or self._too_large or self._malformed is not None:
+            return None
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     async def read(self) -> bytes:
         """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit,
         HTTP 400 for a body the parser refused."""

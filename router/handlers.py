@@ -88,15 +88,17 @@ class Handlers:
         if self.shutting_down:
             return error_response(503, "router is shutting down", "service_unavailable",
                                   {**rid_header, "Retry-After": "1", "Connection": "close"})
-        try:
-            if request.content.is_eof():  # the whole body came with the headers: no timer needed
-                body = await request.read()
-            else:
-                async with asyncio.timeout(self.config.server.client_body_timeout_s):
+        body = request.body_now()  # the whole body came with the headers: no timer, no await
+        if body is None:
+            try:
+                if request.content.is_eof():  # (too large or malformed: read raises it)
                     body = await request.read()
-        except TimeoutError:
-            return error_response(408, "request body not received in time", "invalid_request_error",
-                                  {**rid_header, "Connection": "close"})
+                else:
+                    async with asyncio.timeout(self.config.server.client_body_timeout_s):
+                        body = await request.read()
+            except TimeoutError:
+                return error_response(408, "request body not received in time", "invalid_request_error",
+                                      {**rid_header, "Connection": "close"})
         try:
             if route == CHAT_ROUTE:  # an agent's next turn: only its new bytes are parsed
                 parsed = self.chat_bodies.loads(body, self._header_session(request.headers))
@@ -143,7 +145,10 @@ class Handlers:
         drop_usage = asked is not None
         if asked is not None:
             body = asked
-        summary, text_bytes = await self._summarize(route, parsed, request.headers)
+        if self.tokenize_pool is None:  # nothing to await
+            summary, text_bytes = self._summarize_now(route, parsed, request.headers, self._exact_blocks)
+        else:
+            summary, text_bytes = await self._summarize(route, parsed, request.headers)
         return await self.relay.forward(request, body, summary, request_id, target,
                                         prompt_bytes=text_bytes, drop_usage=drop_usage, ticket=ticket,
                                         received=received)
@@ -162,6 +167,10 @@ class Handlers:
         if self.tokenize_pool is not None:
             found = await self.tokenize_pool.run(route, parsed)
             exact = lambda _route, _body: found  # noqa: E731
+        return self._summarize_now(route, parsed, headers, exact)
+
+    def _summarize_now(self, route: str, parsed: dict[str, Any], headers: Mapping[str, str],
+                       exact: ExactBlocks | None) -> tuple[RequestSummary, int]:
         learner = self.relay.engine.learner
         model = parsed.get("model")
         bytes_per_token = BYTES_PER_TOKEN if learner is None else learner.bytes_per_token(

@@ -38,7 +38,8 @@ from .errors import error_response
 from .headers import REQUEST_ID
 from .placement import Placement, RequestRoute
 from .ranks import room_for_rank
-from .upstream_http import UpstreamConnectError, UpstreamConnectTimeout, UpstreamResponse, UpstreamTimeout
+from .upstream_errors import UpstreamConnectError, UpstreamConnectTimeout, UpstreamTimeout
+from .upstream_response import UpstreamResponse
 from .usage import UsageAccount
 
 if TYPE_CHECKING:

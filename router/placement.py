@@ -239,6 +239,11 @@ class Placement:
             self.url = stored
             self._reserve(stored)
 
+    @property
+    def home_pending(self) -> bool:
+        """The session's home may still need recording (`confirm_home` has something to do)."""
+        return self._claim_pending
+
     async def confirm_home(self, store: HomeStore) -> None:
         """Record the session's home in an async affinity store (one round trip at most)."""
         claim = self.home_claim()

@@ -36,18 +36,14 @@ from .placement import Placement, RequestRoute
 from .json_splice import SplicedBody, body_bytes
 from .tracing import RequestTrace, Tracing
 from .ranks import routed_body
+from .sse_events import EVENT_ENDS, whole_events
 
 if TYPE_CHECKING:
     from .pd_relay import PDForwarder
 from .usage import OPENAI_ROUTES, UsageAccount, holds_usage_event
-from .upstream_http import (
-    UpstreamBodyError,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamPool,
-    UpstreamResponse,
-    UpstreamTimeout,
-)
+from .upstream_errors import UpstreamBodyError, UpstreamConnectError, UpstreamConnectTimeout, UpstreamTimeout
+from .upstream_http import UpstreamPool
+from .upstream_response import UpstreamResponse
 
 # Non-streaming bodies up to this size are read whole and sent with the headers in one write.
 _BUFFER_LIMIT = 8 * 1024 * 1024
@@ -56,8 +52,6 @@ REPLICA_HEADER = "x-kvrouter-replica"
 WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
 _BROKEN_BODY = (UpstreamBodyError, UpstreamTimeout)
 
-
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # Past upstream.total_timeout_s a stream's error event gets this long to reach its client.
 _CLIENT_WRITE_GRACE_S = 10.0
 
@@ -68,13 +62,6 @@ def _abort_client(request: Request) -> None:
         log.warning("client of %s stopped reading; connection cut after upstream.total_timeout_s",
                     request.path)
         transport.abort()
-
-
-def _last_event_end(data: bytes | bytearray) -> int:
-    """Index just past the last complete SSE event in `data`, or 0 if there is none."""
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class Relay:
@@ -264,7 +251,8 @@ class Relay:
             route.last = current
             status: int | None = None  # the replica's answer, for the upstream span
             try:  # no await since place() or retry(): done() always releases the slot
-                await current.confirm_home(route.store)
+                if current.home_pending:  # (no coroutine for a request without a session)
+                    await current.confirm_home(route.store)
                 url = current.url
                 if trace is not None:
                     trace.decided(current, decide_ns)
@@ -335,7 +323,9 @@ class Relay:
                 # Nothing has reached the client yet: a replica failing before its first body
                 # bytes gets a clean error status, not a cut connection.
                 try:
-                    first = await (upstream.read() if whole else upstream.readany())
+                    first = upstream.body_now() if whole else None
+                    if first is None:
+                        first = await (upstream.read() if whole else upstream.readany())
                 except UpstreamTimeout as err:
                     attempt.broke(err.kind)
                     return self._timeout_response(url, err, request_id)
@@ -447,29 +437,20 @@ class Relay:
             while chunk:
                 if not sse:
                     out = chunk
-                elif not tail and chunk.endswith(_EVENT_ENDS):
+                elif not tail and chunk.endswith(EVENT_ENDS):
                     # the common case: whole events, relayed as they are
                     if watch and holds_usage_event(chunk):
                         chunk = usage.take_event(chunk)
                     elif keep_last:
                         before, last = last, chunk
                     out = chunk
-                else:
-                    # Forward whole events only, so a failure later can never leave half a
-                    # line. Only the new bytes (and 3 before them) are scanned for a boundary.
-                    out = b""
-                    overlap = min(3, len(tail))
-                    cut = _last_event_end(tail[len(tail) - overlap:] + chunk if overlap else chunk)
-                    if cut:
-                        k = cut - overlap  # >= 1: the old tail held no complete event
-                        out = bytes(tail) + chunk[:k] if tail else chunk[:k]
+                else:  # whole events only (router/sse_events.py)
+                    out, tail = whole_events(tail, chunk)
+                    if out:
                         if watch and holds_usage_event(out):
                             out = usage.take_event(out)
                         elif keep_last:
                             before, last = last, out
-                        tail = bytearray(chunk[k:])
-                    else:
-                        tail += chunk
                     if len(tail) > max_tail:  # an event that never ends must not grow memory
                         if out:
                             await write(out)

@@ -25,129 +25,21 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .json_splice import SplicedBody
+from .upstream_response import UpstreamResponse as UpstreamResponse
+from .upstream_errors import (
+    UpstreamBodyError as UpstreamBodyError,
+    UpstreamConnectError as UpstreamConnectError,
+    UpstreamConnectTimeout as UpstreamConnectTimeout,
+    UpstreamError as UpstreamError,
+    UpstreamTimeout as UpstreamTimeout,
+)
 
 # A pooled connection idle this long is not reused: below uvicorn's default keep-alive timeout
 # (5 s, which SGLang keeps), so the router does not race a replica closing an idle connection.
 IDLE_KEEPALIVE_S = 4.0
-# Unread response bytes above this pause reading from the replica (TCP back-pressure).
-_READ_HIGH_WATER = 1 << 20
 # A request body this large goes out behind its head in one vectored write instead of being
 # copied behind it; below it the copy is cheaper than the vectored write's bookkeeping.
 _VECTORED_BODY_BYTES = 64 * 1024
-
-
-class UpstreamError(Exception):
-    """The exchange with the replica failed."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """No response started: refused, reset, closed early or garbled. Safe to try elsewhere."""
-
-
-class UpstreamConnectTimeout(UpstreamConnectError, TimeoutError):
-    """The connection was not established in time: nothing was sent. Safe to try elsewhere."""
-
-
-class UpstreamBodyError(UpstreamError):
-    """The response started, then the replica broke off before its end."""
-
-
-class UpstreamTimeout(UpstreamError, TimeoutError):
-    """The replica has the request but missed a deadline: `kind` is "header_timeout" (no headers
-    in time), "idle_timeout" (a gap between body bytes too long) or "total_timeout" (the whole
-    exchange). Not safe to retry: the replica may still be working on it. The connection is
-    aborted, so the replica stops."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class UpstreamResponse:
-    """One response: status and headers now, the body as it arrives (`readany`/`read`).
-    `close()` must follow: it returns a finished keep-alive connection to the pool and
-    aborts an unfinished one (so the replica stops working on a request nobody reads)."""
-
-    __slots__ = ("status", "headers", "content_length", "content_type", "_conn", "_chunks",
-                 "_size", "_done", "_error", "_waiter", "_closed")
-
-    def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str]) -> None:
-        self.status = status
-        self.headers = headers
-        length = headers.get("Content-Length")
-        self.content_length = int(length) if length is not None and length.isdigit() else None
-        self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
-        self._conn = conn
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._done = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._closed = False
-
-    # -- fed by the connection --------------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._size > _READ_HIGH_WATER:
-            self._conn.pause()
-        self._wake()
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        if self._done or self._error is not None:
-            return
-        if error is None:
-            self._done = True
-        else:
-            self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- read by the relay --------------------------------------------------------------------
-    async def readany(self) -> bytes:
-        """The bytes received since the last call; b"" at the end. Bytes that arrived before a
-        failure are returned first, then the failure is raised."""
-        while not self._chunks:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return b""
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._chunks = []
-        self._size = 0
-        self._conn.resume()
-        return data
-
-    @property
-    def at_eof(self) -> bool:
-        """The whole body has arrived and been read: the next `readany` returns b"". Lets the
-        relay send its last bytes with the end of the response in one write."""
-        return self._done and not self._chunks
-
-    async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.readany():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._done and not self._chunks:
-            self._conn.release()
-        else:
-            self._conn.abort()
 
 
 class _Connection(asyncio.Protocol):
@@ -190,9 +82,15 @@ class _Connection(asyncio.Protocol):
         self._total_at = deadline
         self._head_at = min(now + self.pool.header_timeout_s, deadline)
         # The first check comes no later than any deadline the body could have (they all count
-        # from a later byte), so the timer is never re-armed when the headers come quickly.
-        self._timer = self.loop.call_at(min(self._head_at, now + self.pool.idle_timeout_s),
-                                        self._check_deadlines)
+        # from a later byte), so the timer is never re-armed when the headers come quickly. A
+        # keep-alive connection's timer outlives its exchanges: one due no later is kept (when
+        # it fires it sleeps until the current exchange's next deadline), not made anew.
+        due = min(self._head_at, now + self.pool.idle_timeout_s)
+        timer = self._timer
+        if timer is None or timer.when() > due:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(due, self._check_deadlines)
         if isinstance(data, tuple):
             self.transport.writelines(data)
         else:
@@ -207,8 +105,9 @@ class _Connection(asyncio.Protocol):
 
     def release(self) -> None:
         """The response was read to its end: back to the pool if the replica keeps it open
-        (and read our whole request: one that answered early may take leftovers for the next)."""
-        self._end_exchange()
+        (and read our whole request: one that answered early may take leftovers for the next).
+        A pooled connection keeps its deadline timer for its next exchange."""
+        self._response = None
         if (self.keep_alive and not self.lost and not self._paused and self.transport is not None
                 and not self.transport.get_write_buffer_size()):
             self.pool.put_idle(self)
@@ -249,8 +148,11 @@ class _Connection(asyncio.Protocol):
 
     def _check_deadlines(self) -> None:
         """The exchange's one timer: time it out if a deadline has passed, else sleep until the
-        next one (bytes that came meanwhile moved the idle deadline on)."""
+        next one (bytes that came meanwhile moved the idle deadline on). Between exchanges, or
+        once the response has ended, nothing is due: the timer ends."""
         self._timer = None
+        if self.lost or self._head is None and (self._response is None or self._complete):
+            return
         now = self._clock()
         if self._response is None:  # waiting for the headers
             if now >= self._head_at:
@@ -349,10 +251,7 @@ class _Connection(asyncio.Protocol):
             return
         if self._complete:
             return  # the end of an unasked-for response (see on_message_begin)
-        self._complete = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._complete = True  # nothing more is due: the timer, when it fires, ends
         if self._response is not None:
             self._response._finish()
 

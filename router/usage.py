@@ -106,6 +106,15 @@ def _report(prompt: Any, cached: Any, completion: Any = None) -> UsageReport | s
 
 def from_usage(usage: Any) -> UsageReport | str:
     """An OpenAI `usage` object."""
+    if type(usage) is dict:  # a well-formed one, as the checks below would find it, in one pass
+        prompt, out = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        if (type(prompt) is int and 0 <= prompt <= _MAX_TOKENS
+                and (out is None or type(out) is int and 0 <= out <= _MAX_TOKENS)
+                and (details is None or type(details) is dict)
+                and (cached is None or type(cached) is int and 0 <= cached <= prompt)):
+            return UsageReport(prompt, cached, out)
     if usage is None:
         return "missing"
     if not isinstance(usage, dict):

@@ -462,3 +462,40 @@ async def test_https_replica(tmp_path) -> None:
     finally:
         await pool.close()
         await runner.cleanup()
+
+
+async def test_a_pooled_connection_keeps_its_deadlines_across_exchanges(raw_server) -> None:
+    """One keep-alive connection: an idle spell in the pool longer than the header and idle
+    timeouts ends nothing (nothing is due between exchanges), and the next exchange on it still
+    times out when its replica goes silent."""
+    hang = asyncio.Event()
+    connections = 0
+
+    async def answers_twice_then_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        for _ in range(2):
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        await _read_request(reader)
+        await hang.wait()
+
+    pool = UpstreamPool(2, 30, header_timeout_s=0.3, idle_timeout_s=0.3)
+    try:
+        url = await raw_server(answers_twice_then_silent)
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        resp.close()
+        await asyncio.sleep(0.5)  # idle in the pool past both timeouts
+        assert len(pool.connections()) == 1
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        resp.close()
+        with pytest.raises(UpstreamTimeout) as err:
+            await asyncio.wait_for(pool.request("POST", url, "/", JSON, b"{}"), 10)
+        assert err.value.kind == "header_timeout"
+        assert connections == 1 and pool.connections() == []
+    finally:
+        hang.set()
+        await pool.close()

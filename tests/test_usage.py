@@ -358,3 +358,59 @@ def test_a_rank_added_to_a_re_serialised_usage_request_is_still_one_json_object(
     ranked = bytes(routed_body(asked, 2))
     assert orjson.loads(ranked) == {**orjson.loads(raw), "routed_dp_rank": 2, "stream_options": {
         "continuous_usage_stats": False, "include_usage": True}}
+
+
+def _count_problem(value: Any) -> str | None:
+    """Why `value` is not a token count, or None if it is one."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "garbage"
+    if value < 0:
+        return "negative"
+    return "garbage" if value > 1 << 40 else None
+
+
+def _checked_usage(usage: Any) -> UsageReport | str:
+    """`from_usage` as its rules read, one check at a time: its one-pass common case must agree."""
+    if usage is None:
+        return "missing"
+    if not isinstance(usage, dict):
+        return "garbage"
+    if "prompt_tokens" not in usage:
+        return "missing"
+    details = usage.get("prompt_tokens_details")
+    if details is not None and not isinstance(details, dict):
+        return "garbage"
+    prompt = usage["prompt_tokens"]
+    if (problem := _count_problem(prompt)) is not None:
+        return problem
+    completion = usage.get("completion_tokens")
+    completion = completion if _count_problem(completion) is None else None  # left out, not held against it
+    cached = details.get("cached_tokens") if details else None
+    if cached is None:
+        return UsageReport(prompt, None, completion)
+    if (problem := _count_problem(cached)) is not None:
+        return problem
+    return "garbage" if cached > prompt else UsageReport(prompt, cached, completion)
+
+
+def test_usage_common_case_agrees_with_every_check() -> None:
+    class Count(int):
+        pass
+
+    absent = object()
+    values = [absent, None, 0, 1, 5, 9, -1, True, 1.0, "3", 1 << 41, Count(4), []]
+    for prompt in values:
+        for completion in values:
+            for details in (absent, None, "x", {}, 3):
+                for cached in values:
+                    usage: dict[str, Any] = {}
+                    if prompt is not absent:
+                        usage["prompt_tokens"] = prompt
+                    if completion is not absent:
+                        usage["completion_tokens"] = completion
+                    if details is not absent:
+                        usage["prompt_tokens_details"] = dict(details) if isinstance(details, dict) else details
+                        if isinstance(details, dict) and cached is not absent:
+                            usage["prompt_tokens_details"]["cached_tokens"] = cached
+                    got, want = from_usage(usage), _checked_usage(usage)
+                    assert got == want and type(got) is type(want), (usage, got, want)
