@@ -49,16 +49,12 @@ Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
 from __future__ import annotations
 
 import random
-from operator import attrgetter
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .domain import Capabilities, Decision, ReplicaView, RequestSummary, SessionView, Snapshot
 from .cost import CostParams, expected_cost, expected_costs, prefill_s
 from .steps import CandidateSampler, ExpectedCost, HighWater, NearTiePowerOfTwo, fresh_below_mean, without
-
-
-_homed_sessions = attrgetter("homed_sessions")
 
 
 class CodingAgentParams(BaseModel):
@@ -237,11 +233,8 @@ class CodingAgent:
         sessions: the replica holding the shared system prompt would otherwise collect them
         all (live, at 1.5 characters per token, the first four of four)."""
         p = self.params
-        # Most placements find no empty candidate: seen by a scan in C, before any list is built.
-        if p.empty_replica_max_extra_s <= 0 or 0 not in map(_homed_sessions, usable):
-            return None
         empty = [r for r in usable if r.homed_sessions == 0]
-        if len(empty) == len(usable):
+        if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
             return None
         cheapest = min(range(len(costs)), key=costs.__getitem__)
         if usable[cheapest].homed_sessions < p.empty_replica_min_homed:

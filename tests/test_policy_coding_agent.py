@@ -364,36 +364,3 @@ def test_kv_room_of_replicas_without_the_signals_and_of_a_prompt_larger_than_any
     assert (d.replica, d.reason) in {("b", "rehome_evicted"), ("c", "rehome_evicted")}
     d = decide(reps, req(prompt=600_000, cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a"))
     assert (d.replica, d.reason, d.home) == ("a", "stay_no_room", None)
-
-
-def plain_empty_replica(policy: CodingAgent, usable, costs, rng):
-    """The empty-replica rule as first written: the empty candidates listed, then the checks."""
-    p = policy.params
-    empty = [r for r in usable if r.homed_sessions == 0]
-    if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
-        return None
-    cheapest = min(range(len(costs)), key=costs.__getitem__)
-    if usable[cheapest].homed_sessions < p.empty_replica_min_homed:
-        return None
-    empty_costs = [c for c, r in zip(costs, usable) if r.homed_sessions == 0]
-    if min(empty_costs) > costs[cheapest] + p.empty_replica_max_extra_s:
-        return None
-    return policy.pick(empty, empty_costs, rng)
-
-
-@pytest.mark.parametrize("extra_s", [0.0, 1.0, 5.0])
-def test_empty_replica_rule_is_its_plain_definition(extra_s: float) -> None:
-    # The rule first looks for an empty candidate without building a list (most placements
-    # have none): on candidate sets with none, some and only empty ones it must answer as the
-    # plain definition does, drawing the same numbers.
-    policy = CodingAgent(CodingAgentParams(empty_replica_max_extra_s=extra_s))
-    rng = random.Random(17)
-    ours, theirs = random.Random(2), random.Random(2)
-    for _ in range(500):
-        n = rng.randrange(1, 17)
-        share_empty = rng.choice((0.0, 0.3, 1.0))
-        usable = [ReplicaView(f"r{i}", homed_sessions=0 if rng.random() < share_empty else rng.randrange(1, 5))
-                  for i in range(n)]
-        costs = [rng.random() * 3 for _ in range(n)]
-        assert policy._empty_replica(usable, costs, ours) == plain_empty_replica(policy, usable, costs, theirs)
-        assert ours.random() == theirs.random()
