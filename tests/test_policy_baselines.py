@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import Counter
 
+import pytest
+
+from kvrouter.policies.consistent_hash import ConsistentHash, ConsistentHashParams
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
 from kvrouter.policies.registry import build_policy
 
@@ -54,6 +58,19 @@ def test_consistent_hash_remembers_ring_positions_without_changing_a_pick():
             assert remembering.decide(snap(fleet), request, rng).replica == expected
             assert len(remembering._starts) <= 50
     assert request.session_key in remembering._starts  # the last key asked is remembered
+
+
+@pytest.mark.parametrize("replicas, vnodes", [(0, 1), (1, 1), (3, 2), (7, 1000), (100, 160)])
+def test_consistent_hash_arc_search_finds_the_whole_ring_bisect(replicas: int, vnodes: int) -> None:
+    # A ring position is searched only within its arc (the hash's top bits): it must be the
+    # position a bisect of the whole ring finds, for any point, on the points and beside them.
+    policy = ConsistentHash(ConsistentHashParams(vnodes=vnodes))
+    policy.decide(snap(replicas), RequestSummary("/x", session_key="k"), random.Random(0))
+    points = policy._points
+    rng = random.Random(replicas)
+    probes = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
+    probes += [q for p in points for q in (p - 1, p, p + 1) if 0 <= q < 2**64]
+    assert all(policy._position(q) == bisect.bisect(points, q) for q in probes)
 
 
 def test_least_load_picks_minimum():
