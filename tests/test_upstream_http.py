@@ -4,7 +4,9 @@ aiohttp apps for well-formed replicas, raw asyncio servers for the malformed and
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -498,4 +500,37 @@ async def test_a_pooled_connection_keeps_its_deadlines_across_exchanges(raw_serv
         assert connections == 1 and pool.connections() == []
     finally:
         hang.set()
+        await pool.close()
+
+
+async def test_a_pooled_connection_the_replica_closes_is_not_kept_by_its_timer(raw_server) -> None:
+    """A replica closing a kept-alive connection while it idles in the pool: the connection
+    is let go at once, not held until its last exchange's deadline check would have come."""
+    closed = asyncio.Event()
+
+    async def answers_then_closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        closed.set()
+
+    pool = UpstreamPool(2, 30)
+    try:
+        url = await raw_server(answers_then_closes)
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        (conn,) = pool._open
+        gone = weakref.ref(conn)
+        resp.close()
+        del resp, conn
+        await closed.wait()
+        async with asyncio.timeout(5):
+            while pool.connections():
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # (the transport lets go of its protocol after connection_lost)
+        gc.collect()
+        assert gone() is None
+    finally:
         await pool.close()
