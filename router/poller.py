@@ -3,9 +3,10 @@
 spread evenly over the interval, not all at once: answering a scrape costs each replica some
 CPU, and a round that hits every replica at the same instant stalls them all together (with the
 router parsing every page back to back) where they share CPU. A slow or dead replica never
-delays the others' scrapes (each has its own timeout). Signals older than `stale_after_s`
-are cleared to unknown; `failure_threshold` consecutive failures make a replica unhealthy until
-a scrape succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
+delays the others' scrapes in a round (each has its own timeout), but the next round starts
+only once every scrape of this one has ended. Signals older than `stale_after_s` are cleared
+to unknown; `failure_threshold` consecutive failures make a replica unhealthy until a scrape
+succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
 """
 
 from __future__ import annotations
