@@ -534,3 +534,42 @@ async def test_a_pooled_connection_the_replica_closes_is_not_kept_by_its_timer(r
         assert gone() is None
     finally:
         await pool.close()
+
+
+async def test_a_kept_timer_neither_ends_a_steady_stream_nor_spares_a_stalled_one(raw_server) -> None:
+    """The next exchange starts before the last one's deadline check has come (the connection
+    keeps that timer): a stream with gaps under the idle timeout runs on past it, and the one
+    after, stalled mid-body, still times out."""
+    async def three_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):
+            await asyncio.sleep(0.15)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await _read_request(reader)
+        writer.write(CHUNK_ABC)  # then nothing more
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool(2, 30, header_timeout_s=0.3, idle_timeout_s=0.3)
+    try:
+        url = await raw_server(three_answers)
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        resp.close()
+        resp = await pool.request("POST", url, "/", JSON, b"{}")  # at once: the timer is kept
+        assert await asyncio.wait_for(resp.read(), 10) == b"x" * 6
+        resp.close()
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout) as err:
+            await asyncio.wait_for(resp.read(), 10)
+        assert err.value.kind == "idle_timeout"
+        resp.close()
+    finally:
+        await pool.close()
