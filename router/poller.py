@@ -3,9 +3,10 @@
 spread evenly over the interval, not all at once: answering a scrape costs each replica some
 CPU, and a round that hits every replica at the same instant stalls them all together (with the
 router parsing every page back to back) where they share CPU. A slow or dead replica never
-delays the others' scrapes (each has its own timeout). Signals older than `stale_after_s`
-are cleared to unknown; `failure_threshold` consecutive failures make a replica unhealthy until
-a scrape succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
+delays the others' scrapes in a round (each has its own timeout), but the next round starts
+only once every scrape of this one has ended. Signals older than `stale_after_s` are cleared
+to unknown; `failure_threshold` consecutive failures make a replica unhealthy until a scrape
+succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
 """
 
 from __future__ import annotations
@@ -122,17 +123,29 @@ class SignalPoller:
     async def poll_all(self, session: aiohttp.ClientSession, spread_s: float = 0.0) -> None:
         """Scrape every replica once; returns when every scrape has ended. With `spread_s`, the
         i-th of n replicas is scraped `i * spread_s / n` after the first (each scrape runs on
-        while the next ones start); without, all at once."""
+        while the next ones start); without, all at once. A replica removed before its turn is
+        not scraped. An unexpected error in one scrape is raised after the round has ended."""
         urls = self.registry.urls()
         started = self.clock()
+        errors: list[Exception] = []
+
+        async def scrape(url: str) -> None:
+            try:
+                await self.poll(session, url)
+            except Exception as err:  # a bug, not a replica failure: the others' scrapes go on
+                errors.append(err)
+
         async with asyncio.TaskGroup() as scrapes:
             for i, url in enumerate(urls):
                 if i and spread_s > 0:
                     await self.sleep(max(0.0, started + i * spread_s / len(urls) - self.clock()))
-                scrapes.create_task(self.poll(session, url))
+                if url in self.registry:  # (not removed while the round waited for its turn)
+                    scrapes.create_task(scrape(url))
         for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
             del self.last_page[url]
         self.expire_stale()
+        if errors:
+            raise errors[0]  # once the round has ended: the supervisor logs it and restarts
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Scrape every replica each `interval_s`, the round's scrapes spread over it."""

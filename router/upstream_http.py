@@ -206,6 +206,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool.forget(self)
+        if self._timer is not None:  # nothing is due on a closed connection: let it go now
+            self._timer.cancel()
+            self._timer = None
         response = self._response
         if (exc is None and response is not None and not self._complete
                 and response.content_length is None

@@ -105,3 +105,46 @@ async def test_poll_all_without_a_spread_scrapes_every_replica_at_once(replicas)
     assert sorted(u for u, _ in scraped) == sorted(urls)
     assert {t for _, t in scraped} == {0.0}
     assert all(poller.registry.view(u).num_running_reqs == 7 for u in urls)
+
+
+async def test_one_scrape_failing_unexpectedly_spares_the_rest_of_the_round(replicas):
+    """A scrape that raises something the poller does not expect (a bug, not a replica failure)
+    neither cancels the other scrapes nor keeps the round's later replicas from being scraped;
+    the error still reaches the supervisor once the round has ended."""
+    urls = replicas
+    poller, scraped = timed_poller(urls, SignalsConfig(interval_s=1.0))
+    signalled: list[str] = []
+
+    def on_signals(url: str, signals) -> None:
+        if url == urls[0]:
+            raise RuntimeError("bug in a signals hook")
+        signalled.append(url)
+
+    poller.on_signals = on_signals
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RuntimeError, match="bug in a signals hook"):
+            await poller.poll_all(session, spread_s=1.0)
+    assert [u for u, _ in scraped] == urls
+    assert sorted(signalled) == sorted(urls[1:])
+    assert all(poller.registry.view(u).num_running_reqs == 7 for u in urls)
+
+
+async def test_a_replica_removed_before_its_turn_in_the_round_is_not_scraped(replicas):
+    """The round's replicas are listed when it starts; one removed while the round waits for
+    its turn is skipped, so a scrape does not bring back what its removal cleared."""
+    urls = replicas
+    poller, scraped = timed_poller(urls, SignalsConfig(interval_s=1.0))
+    signalled: list[str] = []
+    poller.on_signals = lambda url, signals: signalled.append(url)
+    sleep = poller.sleep
+
+    async def sleep_then_remove_the_last(seconds: float) -> None:
+        await sleep(seconds)
+        poller.registry.remove(urls[-1])
+
+    poller.sleep = sleep_then_remove_the_last
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session, spread_s=1.0)
+    assert [u for u, _ in scraped] == urls[:-1]
+    assert sorted(signalled) == sorted(urls[:-1])
+    assert urls[-1] not in poller.reached and urls[-1] not in poller.last_update

@@ -4,7 +4,9 @@ aiohttp apps for well-formed replicas, raw asyncio servers for the malformed and
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -498,4 +500,76 @@ async def test_a_pooled_connection_keeps_its_deadlines_across_exchanges(raw_serv
         assert connections == 1 and pool.connections() == []
     finally:
         hang.set()
+        await pool.close()
+
+
+async def test_a_pooled_connection_the_replica_closes_is_not_kept_by_its_timer(raw_server) -> None:
+    """A replica closing a kept-alive connection while it idles in the pool: the connection
+    is let go at once, not held until its last exchange's deadline check would have come."""
+    closed = asyncio.Event()
+
+    async def answers_then_closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        closed.set()
+
+    pool = UpstreamPool(2, 30)
+    try:
+        url = await raw_server(answers_then_closes)
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        (conn,) = pool._open
+        gone = weakref.ref(conn)
+        resp.close()
+        del resp, conn
+        await closed.wait()
+        async with asyncio.timeout(5):
+            while pool.connections():
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # (the transport lets go of its protocol after connection_lost)
+        gc.collect()
+        assert gone() is None
+    finally:
+        await pool.close()
+
+
+async def test_a_kept_timer_neither_ends_a_steady_stream_nor_spares_a_stalled_one(raw_server) -> None:
+    """The next exchange starts before the last one's deadline check has come (the connection
+    keeps that timer): a stream with gaps under the idle timeout runs on past it, and the one
+    after, stalled mid-body, still times out."""
+    async def three_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):
+            await asyncio.sleep(0.15)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await _read_request(reader)
+        writer.write(CHUNK_ABC)  # then nothing more
+        await writer.drain()
+        await reader.read()
+
+    pool = UpstreamPool(2, 30, header_timeout_s=0.3, idle_timeout_s=0.3)
+    try:
+        url = await raw_server(three_answers)
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.read() == b"ok"
+        resp.close()
+        resp = await pool.request("POST", url, "/", JSON, b"{}")  # at once: the timer is kept
+        assert await asyncio.wait_for(resp.read(), 10) == b"x" * 6
+        resp.close()
+        resp = await pool.request("POST", url, "/", JSON, b"{}")
+        assert await resp.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout) as err:
+            await asyncio.wait_for(resp.read(), 10)
+        assert err.value.kind == "idle_timeout"
+        resp.close()
+    finally:
         await pool.close()

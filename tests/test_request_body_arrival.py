@@ -1,0 +1,84 @@
+"""A request body as it reaches the data port: with its head, split exactly at the head's end,
+in chunks, behind `Expect: 100-continue`, empty, or short of its Content-Length. Each is read
+whole (or refused) the same way, with or without waiting for more bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from .fakes import FakeUpstream
+
+CHAT = orjson.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, dict]:
+    """One whole answer: its status line and its JSON body."""
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        while head.startswith(b"HTTP/1.1 100"):
+            head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return head.split(b"\r\n")[0], orjson.loads(await reader.readexactly(length))
+
+
+@pytest.fixture
+async def router(start_app, start_router):
+    up = FakeUpstream()
+    _, url = await start_router([await start_app(up.app())], server={"client_body_timeout_s": 0.5},
+                                signals={"source": "health", "interval_s": 60})
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    yield up, reader, writer
+    writer.close()
+
+
+async def test_bodies_whole_split_at_the_head_and_chunked_are_each_relayed(router):
+    up, reader, writer = router
+    length = b"Content-Length: %d\r\n\r\n" % len(CHAT)
+    writer.write(HEAD + length + CHAT)  # the body with its head
+    status, body = await _answer(reader)
+    assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    writer.write(HEAD + length)  # split exactly at the head's end
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.write(CHAT)
+    status, body = await _answer(reader)
+    assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    half = len(CHAT) // 2
+    writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (half, CHAT[:half]))
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT) - half, CHAT[half:]))
+    status, body = await _answer(reader)
+    assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    assert len(up.requests) == 3
+
+
+async def test_expect_continue_gets_100_then_the_body_is_read(router):
+    up, reader, writer = router
+    writer.write(HEAD + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(CHAT))
+    async with asyncio.timeout(10):
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(CHAT)
+    status, body = await _answer(reader)
+    assert status == b"HTTP/1.1 200 OK" and body["choices"]
+
+
+async def test_an_empty_body_is_a_json_400(router):
+    up, reader, writer = router
+    writer.write(HEAD + b"Content-Length: 0\r\n\r\n")
+    status, body = await _answer(reader)
+    assert status.startswith(b"HTTP/1.1 400") and body["error"]
+    assert not up.requests
+
+
+async def test_a_body_short_of_its_content_length_is_a_json_408(router):
+    up, reader, writer = router
+    writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % (len(CHAT) + 1) + CHAT)
+    status, body = await _answer(reader)
+    assert status.startswith(b"HTTP/1.1 408") and body["error"]
+    assert not up.requests
