@@ -7,6 +7,9 @@ prometheus_client's `generate_latest` writes for the same series at that moment.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -110,3 +113,14 @@ def test_an_unchanged_histogram_is_not_formatted_again(monkeypatch: pytest.Monke
     formatted.clear()
     sim.metrics_page.render()
     assert 0 < len(formatted) < 40  # the gauges and counters, no histogram bucket
+
+
+def test_scrape_cpu_benchmark_runs_and_finds_the_texts_equal(capsys: pytest.CaptureFixture[str]) -> None:
+    # benchmarks/metrics_scrape_cpu.py asserts the page equals generate_latest at every scrape of
+    # a busy replica of the default profile (speculative decoding, its own buckets of traffic).
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "metrics_scrape_cpu.py"
+    spec = importlib.util.spec_from_file_location("metrics_scrape_cpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--rounds", "1", "--scrapes", "5", "--warm-finished", "20"])
+    assert "busy: page" in capsys.readouterr().out
