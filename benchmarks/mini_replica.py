@@ -85,6 +85,7 @@ class PageCache:
         self.capacity = capacity_pages
         self.pages: OrderedDict[bytes, int] = OrderedDict()  # key -> pin count
         self.reserved = 0  # output pages of running requests
+        self.pinned_pages = 0  # pages with a pin count above 0, kept as pins change (a scrape reads it)
 
     def hit_pages(self, keys: list[bytes]) -> int:
         n = 0
@@ -95,7 +96,7 @@ class PageCache:
         return n
 
     def pinned(self) -> int:
-        return sum(1 for c in self.pages.values() if c > 0) + self.reserved
+        return self.pinned_pages + self.reserved
 
     def try_admit(self, keys: list[bytes], reserve: int) -> bool:
         """Pin the request's pages (inserting the missing ones) if they fit, evicting LRU pages."""
@@ -110,7 +111,10 @@ class PageCache:
             for k in victims:
                 del self.pages[k]
         for k in keys:
-            self.pages[k] = self.pages.get(k, 0) + 1
+            pins = self.pages.get(k, 0)
+            if pins == 0:
+                self.pinned_pages += 1
+            self.pages[k] = pins + 1
             self.pages.move_to_end(k)
         self.reserved += reserve
         return True
@@ -119,10 +123,13 @@ class PageCache:
         for k in keys:
             if k in self.pages:
                 self.pages[k] -= 1
+                if self.pages[k] == 0:
+                    self.pinned_pages -= 1
         self.reserved -= reserve
 
     def flush(self) -> None:
         self.pages.clear()
+        self.pinned_pages = 0
 
 
 class Engine:

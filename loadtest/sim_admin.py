@@ -10,7 +10,6 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .profiles import Profile
@@ -266,7 +265,7 @@ class AdminHandlers:
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        data = generate_latest(self.sim.registry)
+        data = self.sim.metrics_page.render()
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

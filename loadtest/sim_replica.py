@@ -40,8 +40,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from ..sglang_protocol.block_hash import request_namespace
 from . import tokenizer
 from .profiles import Profile, load_profile, rank_profile
@@ -50,7 +48,7 @@ from .replica_model import Finished, FirstToken, ReplicaModel, SimRequest
 from .replica_signals import PublishedLoads, PublishedMetrics
 from .sim_disagg import Disaggregation, RoomBoard, RoomResult
 from .sim_kv_publisher import SimKVPublisher, parse_kv_events_config, publisher_from_config
-from .sim_metrics import SimCollector
+from .sim_metrics_page import MetricsPage
 from .sim_tokenizer_metrics import TokenizerMetrics
 
 log = logging.getLogger("kvrouter.sim")
@@ -179,8 +177,7 @@ class SimReplica:
         self.scheduler_label_values = (self.served_model_name, engine_type, "0", "0", "0")
         self.tokenizer_label_values = (self.served_model_name, engine_type)
         self.tokenizer_metrics = TokenizerMetrics()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SimCollector(self))  # type: ignore[arg-type]
+        self.metrics_page = MetricsPage(self)  # what /metrics serves
         self.created = int(time.time())
 
     @property

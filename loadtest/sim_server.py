@@ -8,7 +8,7 @@ This module wires the parts into an app and serves it:
 * ``sim_responses``  OpenAI and native response bodies, errors, server-sent events
 * ``sim_inference``  ``/generate``, ``/v1/chat/completions``, ``/v1/completions``
 * ``sim_admin``      health, info, ``/v1/loads``, ``/get_load``, flush, abort, ``/metrics``
-* ``sim_metrics``    the Prometheus exposition behind ``/metrics``
+* ``sim_metrics``    the series ``/metrics`` exposes; ``sim_metrics_page`` writes its text
 * ``sim_disagg``     prefill/decode disaggregation: bootstrap fields, rooms, KV transfer
 """
 

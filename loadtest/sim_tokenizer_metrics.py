@@ -3,7 +3,7 @@
 SGLang's tokenizer manager counts as requests go (its first token, its end), per
 ``is_streaming`` value where SGLang labels them so; a label set appears once a request has
 touched it, as with prometheus_client. :class:`TokenizerMetrics` is fed the model's events by
-``sim_replica.SimReplica`` and read by ``sim_metrics.SimCollector`` at scrape time.
+``sim_replica.SimReplica`` and read by ``sim_metrics.exposed_series`` at scrape time.
 """
 
 from __future__ import annotations

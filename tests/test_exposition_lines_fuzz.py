@@ -8,7 +8,6 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.loadtest.sim_replica import SimReplica
@@ -136,11 +135,11 @@ def test_an_integer_beyond_float_range_is_left_to_prometheus_client() -> None:
 
 
 def test_a_real_replica_page_is_read_fast_and_the_same() -> None:
-    """The simulated replica's page (SGLang's names and labels, rendered by prometheus_client, as
+    """The simulated replica's page (SGLang's names and labels, prometheus_client's text, as
     SGLang's is) and the fixture page: their read lines all take the fast path, with the same
     signals as the whole page parsed by prometheus_client."""
     sim = SimReplica("tiny", served_model_name="kimi")
-    for page in (generate_latest(sim.registry).decode(), single_rank_exposition()):
+    for page in (sim.metrics_page.render().decode(), single_rank_exposition()):
         selected, _ = _prefilter(page)
         assert plain_samples(selected) is not None
         assert_same_reading(selected)

@@ -117,6 +117,31 @@ async def test_mini_replica_caches_prefix_pages_and_evicts_least_recent(start_ap
         await client.close()
 
 
+def test_mini_replica_pinned_count_follows_pins_through_admits_releases_and_evictions() -> None:
+    # /metrics reads the pinned page count on every scrape: kept as pins change, it must agree
+    # with counting the pinned pages.
+    import random
+
+    cache = _load("mini_replica").PageCache(capacity_pages=60)
+    rng = random.Random(1)
+    held: list[tuple[list[bytes], int]] = []
+    for step in range(400):
+        if held and (rng.random() < 0.45 or len(held) > 4):
+            cache.release(*held.pop(rng.randrange(len(held))))
+        else:
+            start = rng.randrange(30)
+            keys = [bytes([start, i]) for i in range(rng.randint(1, 12))]  # shared prefixes pin twice
+            reserve = rng.randint(0, 3)
+            if cache.try_admit(keys, reserve):
+                held.append((keys, reserve))
+        assert cache.pinned() == sum(1 for c in cache.pages.values() if c > 0) + cache.reserved, step
+    for keys, reserve in held:
+        cache.release(keys, reserve)
+    assert cache.pinned() == 0
+    cache.flush()
+    assert cache.pinned() == 0 and not cache.pages
+
+
 def test_restarted_session_is_fresh_and_caps_pauses() -> None:
     from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
 
