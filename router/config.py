@@ -103,7 +103,11 @@ class SignalsConfig(_Strict):
     source: Literal["metrics", "loads", "health"] = Field(
         "metrics", description="What each replica is polled for: SGLang /metrics, /v1/loads, or only /health."
     )
-    interval_s: float = Field(0.25, gt=0, description="Poll interval per replica (one round's scrapes start spread evenly over it).")
+    interval_s: float = Field(
+        0.25, gt=0, description="Poll interval per replica: a round starts every interval_s, its scrapes "
+        "spread evenly over it, and does not wait for slow ones (a replica whose scrape is still "
+        "running sits the round out).",
+    )
     timeout_s: float = Field(1.0, gt=0, description="Timeout of one scrape.")
     stale_after_s: float = Field(2.0, gt=0, description="Signals older than this are treated as unknown.")
     failure_threshold: int = Field(

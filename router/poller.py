@@ -2,9 +2,10 @@
 `/v1/loads`); a scrape that answers is also a health check. The scrapes of one round start
 spread evenly over the interval, not all at once: answering a scrape costs each replica some
 CPU, and a round that hits every replica at the same instant stalls them all together (with the
-router parsing every page back to back) where they share CPU. A slow or dead replica never
-delays the others' scrapes in a round (each has its own timeout), but the next round starts
-only once every scrape of this one has ended. Signals older than `stale_after_s` are cleared
+router parsing every page back to back) where they share CPU. Rounds start on a fixed schedule,
+one every `interval_s`, and never wait for a slow scrape: a replica that hangs until its
+`timeout_s` does not stretch the others' poll period (it is skipped, not scraped twice at once,
+while its scrape is still running). Signals older than `stale_after_s` are cleared
 to unknown; `failure_threshold` consecutive failures make a replica unhealthy until a scrape
 succeeds again. A replica without metrics (404) is health-checked on `/health` instead.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -51,6 +53,9 @@ class SignalPoller:
         # Each replica's last /metrics page and its signals: an idle replica serves the same
         # bytes poll after poll, which need not be decoded and parsed again.
         self.last_page: dict[str, tuple[bytes, ReplicaSignals]] = {}
+        self._scrapes: dict[str, asyncio.Task[None]] = {}  # under way, by replica
+        # Unexpected errors (bugs, not replica failures) of ended scrapes, not yet raised.
+        self._errors: list[Exception] = []
 
     def up_count(self) -> int:
         """Healthy replicas that have answered a poll (not merely assumed healthy at start)."""
@@ -120,37 +125,85 @@ class SignalPoller:
                 self.registry.update_signals(url, None)
                 del self.last_update[url]
 
+    def _start_scrape(self, session: aiohttp.ClientSession, url: str) -> asyncio.Task[None] | None:
+        """Start scraping `url` as a task of its own; None, and nothing started, when the
+        replica has been removed or its previous scrape is still under way."""
+        if url not in self.registry or url in self._scrapes:
+            return None
+        task = asyncio.get_running_loop().create_task(self._scrape_task(session, url), name=f"scrape {url}")
+        self._scrapes[url] = task
+        task.add_done_callback(lambda _: self._scrapes.pop(url, None))
+        return task
+
+    async def _scrape_task(self, session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            await self.poll(session, url)
+        except Exception as err:  # a bug, not a replica failure: the others' scrapes go on
+            self._errors.append(err)
+
+    async def _start_round(
+        self, session: aiohttp.ClientSession, spread_s: float, started: list[asyncio.Task[None]] | None = None
+    ) -> None:
+        """Start one scrape of each replica, the i-th of n `i * spread_s / n` after the first
+        (all at once without a spread); returns once the last has started, its scrapes added
+        to `started`. Replicas are listed when the round starts; one removed before its turn,
+        or whose previous scrape is still under way, is skipped."""
+        urls = self.registry.urls()
+        began = self.clock()
+        for i, url in enumerate(urls):
+            if i and spread_s > 0:
+                await self.sleep(max(0.0, began + i * spread_s / len(urls) - self.clock()))
+            task = self._start_scrape(session, url)
+            if task is not None and started is not None:
+                started.append(task)
+
+    async def _end_round(self) -> None:
+        """Forget removed replicas' pages, clear stale signals, and raise the first unexpected
+        error of the scrapes ended so far, once none is under way (raising cancels none)."""
+        for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
+            del self.last_page[url]
+        self.expire_stale()
+        if self._errors:
+            if self._scrapes:
+                await asyncio.wait(list(self._scrapes.values()))
+            error = self._errors[0]
+            self._errors.clear()
+            raise error  # the supervisor logs it and restarts the loop
+
+    async def _cancel_scrapes(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def poll_all(self, session: aiohttp.ClientSession, spread_s: float = 0.0) -> None:
         """Scrape every replica once; returns when every scrape has ended. With `spread_s`, the
         i-th of n replicas is scraped `i * spread_s / n` after the first (each scrape runs on
         while the next ones start); without, all at once. A replica removed before its turn is
         not scraped. An unexpected error in one scrape is raised after the round has ended."""
-        urls = self.registry.urls()
-        started = self.clock()
-        errors: list[Exception] = []
-
-        async def scrape(url: str) -> None:
-            try:
-                await self.poll(session, url)
-            except Exception as err:  # a bug, not a replica failure: the others' scrapes go on
-                errors.append(err)
-
-        async with asyncio.TaskGroup() as scrapes:
-            for i, url in enumerate(urls):
-                if i and spread_s > 0:
-                    await self.sleep(max(0.0, started + i * spread_s / len(urls) - self.clock()))
-                if url in self.registry:  # (not removed while the round waited for its turn)
-                    scrapes.create_task(scrape(url))
-        for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
-            del self.last_page[url]
-        self.expire_stale()
-        if errors:
-            raise errors[0]  # once the round has ended: the supervisor logs it and restarts
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self._start_round(session, spread_s, tasks)
+            if tasks:
+                await asyncio.wait(tasks)
+        finally:
+            await self._cancel_scrapes([t for t in tasks if not t.done()])  # when cancelled
+        await self._end_round()
 
     async def run(self, session: aiohttp.ClientSession) -> None:
-        """Scrape every replica each `interval_s`, the round's scrapes spread over it."""
+        """Start a round each `interval_s`, its scrapes spread over it. The schedule is fixed
+        (round k at k intervals after the first), a round does not wait for its scrapes to end,
+        and a slot that has passed while the loop was held up is skipped rather than run late
+        (rounds never bunch up). Scrapes still under way are cancelled when the loop stops."""
         interval = self.config.interval_s
-        while True:
-            started = self.clock()
-            await self.poll_all(session, spread_s=interval)
-            await self.sleep(max(0.0, interval - (self.clock() - started)))
+        first = self.clock()
+        round_no = 0
+        try:
+            while True:
+                await self._start_round(session, spread_s=interval)
+                await self._end_round()
+                now = self.clock()
+                # the next slot not yet passed (a hair of float error is not a missed slot)
+                round_no = max(round_no + 1, math.ceil((now - first) / interval - 1e-9))
+                await self.sleep(max(0.0, first + round_no * interval - now))
+        finally:
+            await self._cancel_scrapes(list(self._scrapes.values()))

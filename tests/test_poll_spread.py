@@ -19,17 +19,21 @@ from .test_sglang_metrics_parse import single_rank_exposition
 
 
 class FakeTime:
-    """The poller's clock and sleep: a sleep moves the clock on at once."""
+    """The poller's clock and sleep: a sleep moves the clock on as soon as the scrapes under way
+    that will answer have ended (a loopback scrape takes no time on this clock)."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.answering: set[str] = set()  # replicas whose scrape is under way and will answer
 
     def clock(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:
+        until = self.now + seconds
         await asyncio.sleep(0)  # what was started before the sleep starts at the time it was due
-        self.now += seconds
+        await _until(lambda: not self.answering)
+        self.now = max(self.now, until)
 
 
 @pytest.fixture
@@ -64,7 +68,11 @@ def timed_poller(urls: list[str], config: SignalsConfig) -> tuple[SignalPoller, 
 
     async def timed_poll(session: aiohttp.ClientSession, url: str) -> None:
         scraped.append((url, time.now))
-        await poll(session, url)
+        time.answering.add(url)
+        try:
+            await poll(session, url)
+        finally:
+            time.answering.discard(url)
 
     poller.poll = timed_poll  # type: ignore[method-assign]
     return poller, scraped

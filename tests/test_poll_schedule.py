@@ -1,0 +1,224 @@
+"""Poll rounds run on a fixed schedule: a replica whose scrape hangs until its timeout does not
+lengthen the other replicas' poll period (their signals do not go stale), it is not scraped
+again while that scrape is under way, a loop held up skips the slots it missed instead of
+running them back to back, and stopping the poller cancels the scrapes still under way."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvrouter.loadtest.process_group import free_port
+from kvrouter.metrics.router_metrics import RouterMetrics
+from kvrouter.router.config import SignalsConfig
+from kvrouter.router.poller import SignalPoller
+from kvrouter.router.replicas import ReplicaRegistry
+
+from .test_poll_spread import FakeTime, _until
+from .test_sglang_metrics_parse import single_rank_exposition
+
+
+@pytest.fixture
+async def start_replica():
+    """Starts a real /metrics server; one started with `hold=True` answers only once its
+    event is set (every held one is let go at teardown, so the servers stop at once)."""
+    runners: list[web.AppRunner] = []
+    holds: list[asyncio.Event] = []
+
+    async def start(hold: bool = False) -> tuple[str, asyncio.Event]:
+        release = asyncio.Event()
+        if not hold:
+            release.set()
+        holds.append(release)
+
+        async def metrics(request: web.Request) -> web.Response:
+            await release.wait()
+            return web.Response(body=single_rank_exposition().encode(), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}", release
+
+    yield start
+    for release in holds:
+        release.set()
+    for runner in runners:
+        await runner.cleanup()
+
+
+@dataclass
+class Scrape:
+    url: str
+    started: float
+    ended: float | None = None  # on the fake clock; None while under way
+    cancelled: bool = False
+
+
+@dataclass
+class Watch:
+    time: FakeTime
+    scrapes: list[Scrape]
+    overlaps: list[str]  # replicas scraped while a scrape of theirs was under way
+    stale: list[tuple[str, float]]  # (replica, time) its signals were found stale
+
+    def started(self, url: str) -> list[float]:
+        return [s.started for s in self.scrapes if s.url == url]
+
+
+def watched_poller(urls: list[str], config: SignalsConfig, *, held: tuple[str, ...] = (),
+                   times_out: tuple[str, ...] = ()) -> tuple[SignalPoller, Watch]:
+    """A poller on a fake clock that records every scrape. The fake sleep waits for the scrapes
+    under way to end, except those of `held` and `times_out` replicas (which may not answer);
+    a scrape of a `times_out` replica ends by its timeout, so on the fake clock it took
+    `timeout_s` (at the least)."""
+    time = FakeTime()
+    poller = SignalPoller(ReplicaRegistry(urls), RouterMetrics(), config, clock=time.clock, sleep=time.sleep)
+    watch = Watch(time, [], [], [])
+    under_way: set[str] = set()
+    poll, expire_stale = poller.poll, poller.expire_stale
+
+    async def watched_poll(session: aiohttp.ClientSession, url: str) -> None:
+        scrape = Scrape(url, time.now)
+        watch.scrapes.append(scrape)
+        if url in under_way:
+            watch.overlaps.append(url)
+        under_way.add(url)
+        if url not in held and url not in times_out:
+            time.answering.add(url)
+        try:
+            await poll(session, url)
+        except asyncio.CancelledError:
+            scrape.cancelled = True
+            raise
+        finally:
+            if url in times_out:
+                time.now = max(time.now, scrape.started + config.timeout_s)
+            scrape.ended = time.now
+            under_way.discard(url)
+            time.answering.discard(url)
+
+    def watched_expire_stale() -> None:
+        expire_stale()
+        for url in poller.reached:
+            view = poller.registry.view(url)
+            if view is not None and view.num_running_reqs is None:
+                watch.stale.append((url, time.now))
+
+    poller.poll = watched_poll  # type: ignore[method-assign]
+    poller.expire_stale = watched_expire_stale  # type: ignore[method-assign]
+    return poller, watch
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_replica_that_never_answers_does_not_lengthen_the_others_poll_period(start_replica):
+    """Three replicas answer, the fourth never does (each of its scrapes runs to timeout_s).
+    The others are still scraped every interval_s, so with stale_after_s only a little above
+    interval_s their signals never go stale; the hung one is not scraped again while its scrape
+    is under way; stopping the poller cancels that scrape."""
+    answering = [(await start_replica())[0] for _ in range(3)]
+    hung, _ = await start_replica(hold=True)
+    config = SignalsConfig(interval_s=1.5, timeout_s=1.0, stale_after_s=2.0)
+    poller, watch = watched_poller([*answering, hung], config, times_out=(hung,))
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: all(len(watch.started(u)) >= 4 for u in answering))
+        finally:
+            await stop(task)
+    for i, url in enumerate(answering):  # the i-th of 4 starts i/4 of an interval into each round
+        assert watch.started(url)[:4] == pytest.approx([k * 1.5 + i * 0.375 for k in range(4)])
+    assert watch.started(hung)[0] == pytest.approx(1.125)
+    assert watch.overlaps == []
+    assert watch.stale == []
+    assert all(poller.registry.view(u).num_running_reqs == 7 for u in answering)
+    assert all(s.ended is not None for s in watch.scrapes)  # nothing left running after the stop
+
+
+async def test_a_replica_whose_scrape_is_under_way_is_skipped_until_it_ends(start_replica):
+    """A scrape that runs longer than the interval (here until the test lets its replica
+    answer) is not joined by a second one: that replica sits out the rounds that come while it
+    runs, the others do not wait for it, and once it has answered the next round scrapes it."""
+    answering = [(await start_replica())[0] for _ in range(2)]
+    slow, release = await start_replica(hold=True)
+    poller, watch = watched_poller([*answering, slow], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(slow,))
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(answering[0])) >= 3, timeout_s=5.0)
+            assert watch.started(answering[0])[:3] == pytest.approx([0.0, 1.0, 2.0])
+            assert watch.started(slow) == pytest.approx([2 / 3])  # once, still under way
+            release.set()
+            await _until(lambda: len(watch.started(slow)) >= 2)
+        finally:
+            await stop(task)
+    first, second = [s for s in watch.scrapes if s.url == slow][:2]
+    assert first.ended is not None and not first.cancelled
+    assert second.started >= first.ended  # not before the first had ended
+    assert (second.started - 2 / 3) % 1.0 == pytest.approx(0.0, abs=1e-6)  # at its turn in a round
+    assert watch.overlaps == []
+    assert poller.registry.view(slow).num_running_reqs == 7
+
+
+async def test_a_loop_held_up_skips_the_slots_it_missed(start_replica):
+    """When the loop falls behind (here one wait overshoots by 2.3 intervals), the next round
+    starts at the next slot of the schedule: the missed rounds are not run back to back, and
+    the schedule does not slide to the late time either."""
+    a, b = [(await start_replica())[0] for _ in range(2)]
+    poller, watch = watched_poller([a, b], SignalsConfig(interval_s=1.0))
+    sleep, stalls = poller.sleep, [2.3]
+
+    async def sleep_held_up_once(seconds: float) -> None:
+        await sleep(seconds)
+        if stalls:
+            watch.time.now += stalls.pop()
+
+    poller.sleep = sleep_held_up_once
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(a)) >= 3)
+        finally:
+            await stop(task)
+    assert watch.started(a)[:3] == pytest.approx([0.0, 3.0, 4.0])
+    assert watch.started(b)[:2] == pytest.approx([2.8, 3.5])
+
+
+async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_others_have_ended(start_replica):
+    """A scrape that raises something the poller does not expect (a bug) ends the loop, for its
+    supervisor to log and restart it, but not before the scrapes under way have ended: none of
+    them is cancelled on its account."""
+    buggy, _ = await start_replica()
+    slow, release = await start_replica(hold=True)
+    poller, watch = watched_poller([buggy, slow], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(slow,))
+
+    def on_signals(url: str, signals) -> None:
+        if url == buggy:
+            raise RuntimeError("bug in a signals hook")
+
+    poller.on_signals = on_signals
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: watch.started(slow) != [])
+            release.set()
+            with pytest.raises(RuntimeError, match="bug in a signals hook"):
+                await asyncio.wait_for(task, 10.0)
+        finally:
+            task.cancel()
+    (scrape,) = [s for s in watch.scrapes if s.url == slow]
+    assert scrape.ended is not None and not scrape.cancelled
+    assert poller.registry.view(slow).num_running_reqs == 7
