@@ -210,10 +210,11 @@ class Engine:
         while True:
             self._admit()
             if self.prefill:
-                req = self.prefill.pop(0)
+                req = self.prefill[0]  # listed through its pass: running, and the cache not flushable
                 t = self.timing
                 await self._pass(t.prefill_base_s + (req.prompt_tokens - req.cached_tokens) * t.prefill_s_per_token)
-                if not req.done:  # not aborted meanwhile
+                if req in self.prefill:  # not aborted meanwhile
+                    self.prefill.remove(req)
                     req.generated = 1
                     self._after_tokens(req)
             elif self.running:

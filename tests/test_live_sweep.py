@@ -6,6 +6,7 @@ router (another `kvrouter serve`), two short Claude Code sessions, one point.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
@@ -140,6 +141,31 @@ def test_mini_replica_pinned_count_follows_pins_through_admits_releases_and_evic
     assert cache.pinned() == 0
     cache.flush()
     assert cache.pinned() == 0 and not cache.pages
+
+
+async def test_mini_replica_request_in_its_prefill_counts_as_running_and_blocks_a_flush(start_app) -> None:
+    # A flush during a prefill would drop the pages the request holds (its pins no longer
+    # counted in token_usage) although the replica is busy.
+    mini = _load("mini_replica")
+    args = mini.parse_args(["--port", "1", "--max-total-tokens", "4800", "--page-tokens", "16",
+                            "--time-scale", "1", "--chars-per-token", "2", "--prefill-base-s", "2"])
+    app = mini.build_app(args)
+    url = await start_app(app)
+    engine = app[mini.ENGINE]
+    async with aiohttp.ClientSession() as http:
+        pending = asyncio.ensure_future(http.post(url + "/v1/completions", json={"prompt": "a" * 400, "max_tokens": 4}))
+        deadline = asyncio.get_running_loop().time() + 10
+        while engine.waiting or engine.cache.pinned() == 0:  # admitted: its prefill pass runs
+            assert asyncio.get_running_loop().time() < deadline and not pending.done()
+            await asyncio.sleep(0.01)
+        pinned = engine.cache.pinned()
+        async with http.get(url + "/metrics") as resp:
+            assert 'sglang:num_running_reqs{model_name="mini"} 1' in await resp.text()
+        async with http.post(url + "/flush_cache") as resp:
+            assert resp.status == 400
+        assert engine.cache.pinned() == pinned and engine.cache.pages
+        async with await pending as resp:  # then it completes
+            assert resp.status == 200
 
 
 def test_restarted_session_is_fresh_and_caps_pauses() -> None:
