@@ -14,14 +14,17 @@ not change. Every scrape checks the two texts are the same bytes. CPU is this pr
 (``time.process_time``) around each render only; the model's own work between scrapes is not
 counted.
 
-    python benchmarks/metrics_scrape_cpu.py [--rounds 3] [--scrapes 200]
+    python benchmarks/metrics_scrape_cpu.py [--rounds 3] [--scrapes 200] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import sys
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -72,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scrapes", type=int, default=200)
     p.add_argument("--warm-finished", type=int, default=300, help="requests finished before measuring")
+    p.add_argument("--json", help="write every round's figures here")
     args = p.parse_args(argv)
+    load_start = os.getloadavg()
     busy = Busy(seed=0)
     while busy.finished < args.warm_finished:
         busy.top_up()
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     reference.register(SimCollector(busy.sim))  # type: ignore[arg-type]
     page = busy.sim.metrics_page
     ratios: dict[str, list[float]] = {"busy": [], "still": []}
+    rounds: list[dict[str, object]] = []
     for rnd in range(args.rounds):
         for mode in ("busy", "still"):
             cost = {"generate_latest": 0.0, "page": 0.0}
@@ -98,10 +104,20 @@ def main(argv: list[str] | None = None) -> None:
                 cost["page"] += c2 - c1
             ms = {k: 1e3 * v / args.scrapes for k, v in cost.items()}
             ratios[mode].append(ms["generate_latest"] / ms["page"])
+            rounds.append({"round": rnd, "mode": mode, "ms_per_scrape": ms, "page_bytes": len(new),
+                           "finished": busy.finished})
             print(f"round {rnd} {mode:5s}: generate_latest {ms['generate_latest']:.3f} ms, page {ms['page']:.3f} ms "
                   f"per scrape ({ratios[mode][-1]:.1f}x), {len(new)} bytes, {busy.finished} finished")
     for mode, rs in ratios.items():
         print(f"{mode}: page {statistics.median(rs):.1f}x cheaper (median of {len(rs)} rounds, {min(rs):.1f}-{max(rs):.1f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(["python benchmarks/metrics_scrape_cpu.py", *(sys.argv[1:] if argv is None else argv)]),
+                       "settings": {"rounds": args.rounds, "scrapes": args.scrapes,
+                                    "warm_finished": args.warm_finished},
+                       "cpus": os.cpu_count(), "load_average": {"start": load_start, "end": os.getloadavg()},
+                       "rounds": rounds, "ratio_median": {m: statistics.median(rs) for m, rs in ratios.items()}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
