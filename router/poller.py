@@ -193,7 +193,8 @@ class SignalPoller:
         """Start a round each `interval_s`, its scrapes spread over it. The schedule is fixed
         (round k at k intervals after the first), a round does not wait for its scrapes to end,
         and a slot that has passed while the loop was held up is skipped rather than run late
-        (rounds never bunch up). Scrapes still under way are cancelled when the loop stops."""
+        (rounds never bunch up); a clock that goes back starts a new schedule, never a wait of
+        more than an interval. Scrapes still under way are cancelled when the loop stops."""
         interval = self.config.interval_s
         first = self.clock()
         round_no = 0
@@ -204,6 +205,9 @@ class SignalPoller:
                 now = self.clock()
                 # the next slot not yet passed (a hair of float error is not a missed slot)
                 round_no = max(round_no + 1, math.ceil((now - first) / interval - 1e-9))
-                await self.sleep(max(0.0, first + round_no * interval - now))
+                wait = first + round_no * interval - now
+                if wait > interval:  # the (injected) clock went back: a new schedule from the next round
+                    first, round_no, wait = now + interval, 0, interval
+                await self.sleep(max(0.0, wait))
         finally:
             await self._cancel_scrapes(list(self._scrapes.values()))

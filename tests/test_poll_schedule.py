@@ -222,3 +222,29 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
     (scrape,) = [s for s in watch.scrapes if s.url == slow]
     assert scrape.ended is not None and not scrape.cancelled
     assert poller.registry.view(slow).num_running_reqs == 7
+
+
+async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_replica):
+    """The poller's clock is injected and need not be monotonic: when it goes back (here by
+    1000 s between two rounds), the next round still starts one interval later, not once the
+    clock has caught up with the old schedule."""
+    a, _ = await start_replica()
+    poller, watch = watched_poller([a], SignalsConfig(interval_s=1.0))
+    sleep, waits, jumps = poller.sleep, [], [-1000.0]
+
+    async def sleep_then_clock_back_once(seconds: float) -> None:
+        waits.append(seconds)
+        await sleep(seconds)
+        if jumps:
+            watch.time.now += jumps.pop()
+
+    poller.sleep = sleep_then_clock_back_once
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(a)) >= 3)
+        finally:
+            await stop(task)
+    assert max(waits) <= 1.0 + 1e-9
+    assert watch.started(a)[:3] == pytest.approx([0.0, -999.0, -998.0])
+
