@@ -71,7 +71,7 @@ class SignalPoller:
                 if resp.status == 200:
                     if self.config.source == "loads":
                         loads = orjson.loads(body)
-                        if self.on_rank_loads is not None:
+                        if self.on_rank_loads is not None and url in self.registry:  # (not removed meanwhile)
                             self.on_rank_loads(url, parse_rank_loads(loads))
                         return parse_loads_json(loads)
                     return self._read_page(url, body)
@@ -96,12 +96,16 @@ class SignalPoller:
         try:
             signals = await self._scrape(session, url)
         except (aiohttp.ClientError, asyncio.TimeoutError, SignalParseError, ValueError) as err:
+            if url not in self.registry:
+                return  # removed while scraped: counting it would bring back its metric series
             self.metrics.poll_errors.labels(url).inc()
             if self.on_rank_loads is not None:
                 self.on_rank_loads(url, {})  # per-rank loads unknown until it answers again
             if self.registry.record_failure(url):
                 log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
         else:
+            if url not in self.registry:
+                return  # removed while scraped: its signals would bring back what removal cleared
             self.reached.add(url)
             if self.registry.record_success(url):
                 log.info("replica %s is healthy again", url)

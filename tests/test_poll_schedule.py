@@ -18,6 +18,7 @@ from kvrouter.router.config import SignalsConfig
 from kvrouter.router.poller import SignalPoller
 from kvrouter.router.replicas import ReplicaRegistry
 
+from .test_dp_kv_room import loads_body
 from .test_poll_spread import FakeTime, _until
 from .test_sglang_metrics_parse import single_rank_exposition
 
@@ -39,8 +40,13 @@ async def start_replica():
             await release.wait()
             return web.Response(body=single_rank_exposition().encode(), content_type="text/plain")
 
+        async def loads(request: web.Request) -> web.Response:
+            await release.wait()
+            return web.json_response(loads_body(0.5, 0.25))
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/loads", loads)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -248,3 +254,28 @@ async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_repl
     assert max(waits) <= 1.0 + 1e-9
     assert watch.started(a)[:3] == pytest.approx([0.0, -999.0, -998.0])
 
+
+@pytest.mark.parametrize("source", ["metrics", "loads"])
+async def test_a_replica_removed_while_it_is_scraped_leaves_nothing_when_the_scrape_ends(start_replica, source):
+    """Removal does not wait for a scrape under way: whether that scrape then answers or times
+    out, nothing of the removed replica comes back (no metric series, no signals or per-rank
+    loads hook call, no entry in the poller's tables)."""
+    answers, release = await start_replica(hold=True)
+    times_out, _ = await start_replica(hold=True)
+    config = SignalsConfig(source=source, timeout_s=0.3)
+    poller, watch = watched_poller([answers, times_out], config, held=(answers, times_out))
+    signalled: list[str] = []
+    poller.on_signals = lambda url, signals: signalled.append(url)
+    poller.on_rank_loads = lambda url, per_rank: signalled.append(url)
+    async with aiohttp.ClientSession() as session:
+        round_ = asyncio.create_task(poller.poll_all(session))
+        await _until(lambda: watch.started(answers) and watch.started(times_out))
+        for url in (answers, times_out):
+            poller.registry.remove(url)
+            poller.metrics.forget_replica(url)
+        release.set()
+        await round_
+    page = poller.metrics.render().decode()
+    assert answers not in page and times_out not in page
+    assert signalled == []
+    assert not {answers, times_out} & (poller.reached | set(poller.last_update) | set(poller.last_page))
