@@ -162,8 +162,12 @@ class SignalPoller:
                 started.append(task)
 
     async def _end_round(self) -> None:
-        """Forget removed replicas' pages, clear stale signals, and raise the first unexpected
-        error of the scrapes ended so far, once none is under way (raising cancels none)."""
+        """Cancel removed replicas' scrapes and forget their pages, clear stale signals, and
+        raise the first unexpected error of the scrapes ended so far, once none is under way
+        (raising cancels none)."""
+        for url, task in list(self._scrapes.items()):
+            if url not in self.registry:  # removed: no need to wait out its timeout
+                task.cancel()
         for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
             del self.last_page[url]
         self.expire_stale()

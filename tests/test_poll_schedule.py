@@ -279,3 +279,23 @@ async def test_a_replica_removed_while_it_is_scraped_leaves_nothing_when_the_scr
     assert answers not in page and times_out not in page
     assert signalled == []
     assert not {answers, times_out} & (poller.reached | set(poller.last_update) | set(poller.last_page))
+
+
+async def test_the_scrape_of_a_removed_replica_is_cancelled_at_the_end_of_the_next_round(start_replica):
+    """A replica removed (by discovery, say) while its scrape hangs does not keep that scrape
+    running until its timeout: the round after the removal cancels it."""
+    stays, _ = await start_replica()
+    hung, _ = await start_replica(hold=True)
+    poller, watch = watched_poller([stays, hung], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(hung,))
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: watch.started(hung) != [])
+            poller.registry.remove(hung)
+            (scrape,) = [s for s in watch.scrapes if s.url == hung]
+            await _until(lambda: scrape.cancelled, timeout_s=5.0)
+            rounds = len(watch.started(stays))
+            await _until(lambda: len(watch.started(stays)) > rounds)  # the loop goes on
+        finally:
+            await stop(task)
+    assert watch.started(hung) == pytest.approx([0.5])
