@@ -155,8 +155,9 @@ class SignalPoller:
         urls = self.registry.urls()
         began = self.clock()
         for i, url in enumerate(urls):
-            if i and spread_s > 0:
-                await self.sleep(max(0.0, began + i * spread_s / len(urls) - self.clock()))
+            if i and spread_s > 0:  # (never more than a turn: the injected clock may go back)
+                turn = spread_s / len(urls)
+                await self.sleep(max(0.0, min(turn, began + i * turn - self.clock())))
             task = self._start_scrape(session, url)
             if task is not None and started is not None:
                 started.append(task)

@@ -255,6 +255,30 @@ async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_repl
     assert watch.started(a)[:3] == pytest.approx([0.0, -999.0, -998.0])
 
 
+async def test_a_clock_that_goes_back_within_a_round_does_not_hold_up_its_next_scrape(start_replica):
+    """The same within a round: a clock that goes back between two of its scrapes makes the
+    next one wait no more than its share of the interval."""
+    urls = [(await start_replica())[0] for _ in range(3)]
+    poller, watch = watched_poller(urls, SignalsConfig(interval_s=1.5))
+    sleep, waits, jumps = poller.sleep, [], [-1000.0]
+
+    async def sleep_then_clock_back_once(seconds: float) -> None:
+        waits.append(seconds)
+        await sleep(seconds)
+        if jumps:
+            watch.time.now += jumps.pop()
+
+    poller.sleep = sleep_then_clock_back_once
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(urls[0])) >= 2)
+        finally:
+            await stop(task)
+    assert max(waits) <= 1.5 + 1e-9
+    assert watch.started(urls[2])[0] == pytest.approx(-999.0)  # its turn, half an interval on
+
+
 @pytest.mark.parametrize("source", ["metrics", "loads"])
 async def test_a_replica_removed_while_it_is_scraped_leaves_nothing_when_the_scrape_ends(start_replica, source):
     """Removal does not wait for a scrape under way: whether that scrape then answers or times
