@@ -163,14 +163,17 @@ class SignalPoller:
                 started.append(task)
 
     async def _end_round(self) -> None:
-        """Cancel removed replicas' scrapes and forget their pages, clear stale signals, and
-        raise the first unexpected error of the scrapes ended so far, once none is under way
-        (raising cancels none)."""
+        """Cancel removed replicas' scrapes and forget them (one added back is new), clear
+        stale signals, and raise the first unexpected error of the scrapes ended so far, once
+        none is under way (raising cancels none)."""
         for url, task in list(self._scrapes.items()):
             if url not in self.registry:  # removed: no need to wait out its timeout
                 task.cancel()
         for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
             del self.last_page[url]
+        for url in [u for u in self.last_update if u not in self.registry]:
+            del self.last_update[url]
+        self.reached &= set(self.registry.urls())
         self.expire_stale()
         if self._errors:
             if self._scrapes:

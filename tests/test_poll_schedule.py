@@ -323,3 +323,28 @@ async def test_the_scrape_of_a_removed_replica_is_cancelled_at_the_end_of_the_ne
         finally:
             await stop(task)
     assert watch.started(hung) == pytest.approx([0.5])
+
+
+async def test_a_replica_added_back_is_new_to_the_poller(start_replica):
+    """A replica removed and later added back under the same URL has not answered a poll yet
+    (it does not count as up, e.g. for /ready of a disaggregated fleet) and has no signals age
+    until it does: the poller forgets a removed replica at the end of the next round."""
+    url, release = await start_replica(hold=True)
+    poller, watch = watched_poller([url], SignalsConfig(), held=(url,))
+    release.set()
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+        assert poller.up_count() == 1
+        poller.registry.remove(url)
+        poller.metrics.forget_replica(url)
+        await poller.poll_all(session)  # a round without it
+        poller.registry.add(url)
+        release.clear()  # its first scrape as a new replica has not answered yet
+        round_ = asyncio.create_task(poller.poll_all(session))
+        await _until(lambda: len(watch.started(url)) == 2)
+        assert poller.up_count() == 0
+        poller.expire_stale()
+        assert url not in poller.metrics.render().decode()
+        release.set()
+        await round_
+    assert poller.up_count() == 1
