@@ -71,7 +71,7 @@ class SignalPoller:
                 if resp.status == 200:
                     if self.config.source == "loads":
                         loads = orjson.loads(body)
-                        if self.on_rank_loads is not None:
+                        if self.on_rank_loads is not None and url in self.registry:  # (not removed meanwhile)
                             self.on_rank_loads(url, parse_rank_loads(loads))
                         return parse_loads_json(loads)
                     return self._read_page(url, body)
@@ -96,12 +96,16 @@ class SignalPoller:
         try:
             signals = await self._scrape(session, url)
         except (aiohttp.ClientError, asyncio.TimeoutError, SignalParseError, ValueError) as err:
+            if url not in self.registry:
+                return  # removed while scraped: counting it would bring back its metric series
             self.metrics.poll_errors.labels(url).inc()
             if self.on_rank_loads is not None:
                 self.on_rank_loads(url, {})  # per-rank loads unknown until it answers again
             if self.registry.record_failure(url):
                 log.warning("replica %s marked unhealthy (%s)", url, type(err).__name__)
         else:
+            if url not in self.registry:
+                return  # removed while scraped: its signals would bring back what removal cleared
             self.reached.add(url)
             if self.registry.record_success(url):
                 log.info("replica %s is healthy again", url)
@@ -151,17 +155,25 @@ class SignalPoller:
         urls = self.registry.urls()
         began = self.clock()
         for i, url in enumerate(urls):
-            if i and spread_s > 0:
-                await self.sleep(max(0.0, began + i * spread_s / len(urls) - self.clock()))
+            if i and spread_s > 0:  # (never more than a turn: the injected clock may go back)
+                turn = spread_s / len(urls)
+                await self.sleep(max(0.0, min(turn, began + i * turn - self.clock())))
             task = self._start_scrape(session, url)
             if task is not None and started is not None:
                 started.append(task)
 
     async def _end_round(self) -> None:
-        """Forget removed replicas' pages, clear stale signals, and raise the first unexpected
-        error of the scrapes ended so far, once none is under way (raising cancels none)."""
+        """Cancel removed replicas' scrapes and forget them (one added back is new), clear
+        stale signals, and raise the first unexpected error of the scrapes ended so far, once
+        none is under way (raising cancels none)."""
+        for url, task in list(self._scrapes.items()):
+            if url not in self.registry:  # removed: no need to wait out its timeout
+                task.cancel()
         for url in [u for u in self.last_page if u not in self.registry]:  # removed replicas
             del self.last_page[url]
+        for url in [u for u in self.last_update if u not in self.registry]:
+            del self.last_update[url]
+        self.reached &= set(self.registry.urls())
         self.expire_stale()
         if self._errors:
             if self._scrapes:
@@ -193,7 +205,8 @@ class SignalPoller:
         """Start a round each `interval_s`, its scrapes spread over it. The schedule is fixed
         (round k at k intervals after the first), a round does not wait for its scrapes to end,
         and a slot that has passed while the loop was held up is skipped rather than run late
-        (rounds never bunch up). Scrapes still under way are cancelled when the loop stops."""
+        (rounds never bunch up); a clock that goes back starts a new schedule, never a wait of
+        more than an interval. Scrapes still under way are cancelled when the loop stops."""
         interval = self.config.interval_s
         first = self.clock()
         round_no = 0
@@ -204,6 +217,9 @@ class SignalPoller:
                 now = self.clock()
                 # the next slot not yet passed (a hair of float error is not a missed slot)
                 round_no = max(round_no + 1, math.ceil((now - first) / interval - 1e-9))
-                await self.sleep(max(0.0, first + round_no * interval - now))
+                wait = first + round_no * interval - now
+                if wait > interval:  # the (injected) clock went back: a new schedule from the next round
+                    first, round_no, wait = now + interval, 0, interval
+                await self.sleep(max(0.0, wait))
         finally:
             await self._cancel_scrapes(list(self._scrapes.values()))

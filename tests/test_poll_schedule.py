@@ -18,6 +18,7 @@ from kvrouter.router.config import SignalsConfig
 from kvrouter.router.poller import SignalPoller
 from kvrouter.router.replicas import ReplicaRegistry
 
+from .test_dp_kv_room import loads_body
 from .test_poll_spread import FakeTime, _until
 from .test_sglang_metrics_parse import single_rank_exposition
 
@@ -39,8 +40,13 @@ async def start_replica():
             await release.wait()
             return web.Response(body=single_rank_exposition().encode(), content_type="text/plain")
 
+        async def loads(request: web.Request) -> web.Response:
+            await release.wait()
+            return web.json_response(loads_body(0.5, 0.25))
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/loads", loads)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -222,3 +228,123 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
     (scrape,) = [s for s in watch.scrapes if s.url == slow]
     assert scrape.ended is not None and not scrape.cancelled
     assert poller.registry.view(slow).num_running_reqs == 7
+
+
+async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_replica):
+    """The poller's clock is injected and need not be monotonic: when it goes back (here by
+    1000 s between two rounds), the next round still starts one interval later, not once the
+    clock has caught up with the old schedule."""
+    a, _ = await start_replica()
+    poller, watch = watched_poller([a], SignalsConfig(interval_s=1.0))
+    sleep, waits, jumps = poller.sleep, [], [-1000.0]
+
+    async def sleep_then_clock_back_once(seconds: float) -> None:
+        waits.append(seconds)
+        await sleep(seconds)
+        if jumps:
+            watch.time.now += jumps.pop()
+
+    poller.sleep = sleep_then_clock_back_once
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(a)) >= 3)
+        finally:
+            await stop(task)
+    assert max(waits) <= 1.0 + 1e-9
+    assert watch.started(a)[:3] == pytest.approx([0.0, -999.0, -998.0])
+
+
+async def test_a_clock_that_goes_back_within_a_round_does_not_hold_up_its_next_scrape(start_replica):
+    """The same within a round: a clock that goes back between two of its scrapes makes the
+    next one wait no more than its share of the interval."""
+    urls = [(await start_replica())[0] for _ in range(3)]
+    poller, watch = watched_poller(urls, SignalsConfig(interval_s=1.5))
+    sleep, waits, jumps = poller.sleep, [], [-1000.0]
+
+    async def sleep_then_clock_back_once(seconds: float) -> None:
+        waits.append(seconds)
+        await sleep(seconds)
+        if jumps:
+            watch.time.now += jumps.pop()
+
+    poller.sleep = sleep_then_clock_back_once
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: len(watch.started(urls[0])) >= 2)
+        finally:
+            await stop(task)
+    assert max(waits) <= 1.5 + 1e-9
+    assert watch.started(urls[2])[0] == pytest.approx(-999.0)  # its turn, half an interval on
+
+
+@pytest.mark.parametrize("source", ["metrics", "loads"])
+async def test_a_replica_removed_while_it_is_scraped_leaves_nothing_when_the_scrape_ends(start_replica, source):
+    """Removal does not wait for a scrape under way: whether that scrape then answers or times
+    out, nothing of the removed replica comes back (no metric series, no signals or per-rank
+    loads hook call, no entry in the poller's tables)."""
+    answers, release = await start_replica(hold=True)
+    times_out, _ = await start_replica(hold=True)
+    config = SignalsConfig(source=source, timeout_s=0.3)
+    poller, watch = watched_poller([answers, times_out], config, held=(answers, times_out))
+    signalled: list[str] = []
+    poller.on_signals = lambda url, signals: signalled.append(url)
+    poller.on_rank_loads = lambda url, per_rank: signalled.append(url)
+    async with aiohttp.ClientSession() as session:
+        round_ = asyncio.create_task(poller.poll_all(session))
+        await _until(lambda: watch.started(answers) and watch.started(times_out))
+        for url in (answers, times_out):
+            poller.registry.remove(url)
+            poller.metrics.forget_replica(url)
+        release.set()
+        await round_
+    page = poller.metrics.render().decode()
+    assert answers not in page and times_out not in page
+    assert signalled == []
+    assert not {answers, times_out} & (poller.reached | set(poller.last_update) | set(poller.last_page))
+
+
+async def test_the_scrape_of_a_removed_replica_is_cancelled_at_the_end_of_the_next_round(start_replica):
+    """A replica removed (by discovery, say) while its scrape hangs does not keep that scrape
+    running until its timeout: the round after the removal cancels it."""
+    stays, _ = await start_replica()
+    hung, _ = await start_replica(hold=True)
+    poller, watch = watched_poller([stays, hung], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(hung,))
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(lambda: watch.started(hung) != [])
+            poller.registry.remove(hung)
+            (scrape,) = [s for s in watch.scrapes if s.url == hung]
+            await _until(lambda: scrape.cancelled, timeout_s=5.0)
+            rounds = len(watch.started(stays))
+            await _until(lambda: len(watch.started(stays)) > rounds)  # the loop goes on
+        finally:
+            await stop(task)
+    assert watch.started(hung) == pytest.approx([0.5])
+
+
+async def test_a_replica_added_back_is_new_to_the_poller(start_replica):
+    """A replica removed and later added back under the same URL has not answered a poll yet
+    (it does not count as up, e.g. for /ready of a disaggregated fleet) and has no signals age
+    until it does: the poller forgets a removed replica at the end of the next round."""
+    url, release = await start_replica(hold=True)
+    poller, watch = watched_poller([url], SignalsConfig(), held=(url,))
+    release.set()
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+        assert poller.up_count() == 1
+        poller.registry.remove(url)
+        poller.metrics.forget_replica(url)
+        await poller.poll_all(session)  # a round without it
+        poller.registry.add(url)
+        release.clear()  # its first scrape as a new replica has not answered yet
+        round_ = asyncio.create_task(poller.poll_all(session))
+        await _until(lambda: len(watch.started(url)) == 2)
+        assert poller.up_count() == 0
+        poller.expire_stale()
+        assert url not in poller.metrics.render().decode()
+        release.set()
+        await round_
+    assert poller.up_count() == 1
