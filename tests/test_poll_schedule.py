@@ -230,13 +230,10 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
     assert poller.registry.view(slow).num_running_reqs == 7
 
 
-async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_replica):
-    """The poller's clock is injected and need not be monotonic: when it goes back (here by
-    1000 s between two rounds), the next round still starts one interval later, not once the
-    clock has caught up with the old schedule."""
-    a, _ = await start_replica()
-    poller, watch = watched_poller([a], SignalsConfig(interval_s=1.0))
-    sleep, waits, jumps = poller.sleep, [], [-1000.0]
+def clock_back_after_first_sleep(poller, watch, jump_s: float) -> list[float]:
+    """Make the poller's first sleep end with its clock moved by `jump_s`; every wait it asks
+    for is appended to the list returned."""
+    sleep, waits, jumps = poller.sleep, [], [jump_s]
 
     async def sleep_then_clock_back_once(seconds: float) -> None:
         waits.append(seconds)
@@ -245,6 +242,16 @@ async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_repl
             watch.time.now += jumps.pop()
 
     poller.sleep = sleep_then_clock_back_once
+    return waits
+
+
+async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_replica):
+    """The poller's clock is injected and need not be monotonic: when it goes back (here by
+    1000 s between two rounds), the next round still starts one interval later, not once the
+    clock has caught up with the old schedule."""
+    a, _ = await start_replica()
+    poller, watch = watched_poller([a], SignalsConfig(interval_s=1.0))
+    waits = clock_back_after_first_sleep(poller, watch, -1000.0)
     async with aiohttp.ClientSession() as session:
         task = asyncio.create_task(poller.run(session))
         try:
@@ -260,15 +267,7 @@ async def test_a_clock_that_goes_back_within_a_round_does_not_hold_up_its_next_s
     next one wait no more than its share of the interval."""
     urls = [(await start_replica())[0] for _ in range(3)]
     poller, watch = watched_poller(urls, SignalsConfig(interval_s=1.5))
-    sleep, waits, jumps = poller.sleep, [], [-1000.0]
-
-    async def sleep_then_clock_back_once(seconds: float) -> None:
-        waits.append(seconds)
-        await sleep(seconds)
-        if jumps:
-            watch.time.now += jumps.pop()
-
-    poller.sleep = sleep_then_clock_back_once
+    waits = clock_back_after_first_sleep(poller, watch, -1000.0)
     async with aiohttp.ClientSession() as session:
         task = asyncio.create_task(poller.run(session))
         try:
