@@ -31,7 +31,13 @@ def _num(entry: Mapping[str, Any], key: str) -> Optional[float]:
     v = entry[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SignalParseError(f"field {key!r} is not a number: {v!r}")
-    return float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer beyond float range
+        v = math.inf
+    if not math.isfinite(v):  # JSON's 1e400 decodes to inf: garbage, not a pool or a count
+        raise SignalParseError(f"field {key!r} is not a finite number: {entry[key]!r:.40}")
+    return v
 
 
 def _entry_fields(entry: Any) -> dict[str, float]:

@@ -7,7 +7,10 @@ simulator's fold, to the coding-agent rule that moves a session only where its p
 
 from __future__ import annotations
 
+import json
 import random
+
+import pytest
 
 from kvrouter.loadtest.cluster_sim_dp import fold_ranks
 from kvrouter.policies.coding_agent import CodingAgent
@@ -15,7 +18,7 @@ from kvrouter.policies.domain import ReplicaView, RequestSummary, SessionView, S
 from kvrouter.policies.steps import has_kv_room
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.loads import parse_loads_json, parse_rank_loads
-from kvrouter.sglang_protocol.signals import parse_metrics_text
+from kvrouter.sglang_protocol.signals import SignalParseError, parse_metrics_text
 
 RANK_POOL = 100_000  # KV tokens of each DP rank
 MARK = 0.92  # coding-agent's replica_max_token_usage
@@ -121,3 +124,21 @@ def test_a_pool_that_rounds_to_zero_tokens_is_no_rank_pool():
     view = registry.view("http://b")
     assert view is not None and view.rank_kv is None
     assert not has_kv_room(view, 10, MARK, RANK_POOL)  # the folded reading (a 1-token pool), not a division by 0
+
+
+@pytest.mark.parametrize("body", [
+    b'{"loads": [{"dp_rank": 0, "num_running_reqs": 1, "max_total_num_tokens": 1e400, "token_usage": 0.1}]}',
+    b'{"loads": [{"dp_rank": 0, "num_running_reqs": 1, "max_total_num_tokens": 100, "token_usage": 0.1},'
+    b' {"dp_rank": 1, "num_running_reqs": 1, "max_total_num_tokens": 1e400, "token_usage": 0.1}]}',
+    b'{"loads": [{"dp_rank": 0, "num_running_reqs": 1, "max_total_num_tokens": 100,'
+    b' "token_usage": 0.1, "num_used_tokens": ' + str(10**400).encode() + b'}]}',
+])
+def test_a_loads_body_with_a_number_beyond_float_range_is_a_parse_error(body):
+    """JSON's 1e400 decodes to inf (and a huge integer overflows a float): the body is garbage,
+    refused as a SignalParseError (a failed scrape), never an OverflowError out of the parser
+    (which the poller treats as a bug and restarts on, every round)."""
+    loads = json.loads(body)  # (orjson refuses integers past 64 bits outright)
+    with pytest.raises(SignalParseError):
+        parse_loads_json(loads)
+    with pytest.raises(SignalParseError):
+        parse_rank_loads(loads)
