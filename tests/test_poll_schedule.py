@@ -139,12 +139,7 @@ async def test_a_replica_that_never_answers_does_not_lengthen_the_others_poll_pe
     hung, _ = await start_replica(hold=True)
     config = SignalsConfig(interval_s=1.5, timeout_s=1.0, stale_after_s=2.0)
     poller, watch = watched_poller([*answering, hung], config, times_out=(hung,))
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
-        try:
-            await _until(lambda: all(len(watch.started(u)) >= 4 for u in answering))
-        finally:
-            await stop(task)
+    await run_until(poller, lambda: all(len(watch.started(u)) >= 4 for u in answering))
     for i, url in enumerate(answering):  # the i-th of 4 starts i/4 of an interval into each round
         assert watch.started(url)[:4] == pytest.approx([k * 1.5 + i * 0.375 for k in range(4)])
     assert watch.started(hung)[0] == pytest.approx(1.125)
@@ -185,20 +180,8 @@ async def test_a_loop_held_up_skips_the_slots_it_missed(start_replica):
     the schedule does not slide to the late time either."""
     a, b = [(await start_replica())[0] for _ in range(2)]
     poller, watch = watched_poller([a, b], SignalsConfig(interval_s=1.0))
-    sleep, stalls = poller.sleep, [2.3]
-
-    async def sleep_held_up_once(seconds: float) -> None:
-        await sleep(seconds)
-        if stalls:
-            watch.time.now += stalls.pop()
-
-    poller.sleep = sleep_held_up_once
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
-        try:
-            await _until(lambda: len(watch.started(a)) >= 3)
-        finally:
-            await stop(task)
+    clock_moves_after_first_sleep(poller, watch, 2.3)
+    await run_until(poller, lambda: len(watch.started(a)) >= 3)
     assert watch.started(a)[:3] == pytest.approx([0.0, 3.0, 4.0])
     assert watch.started(b)[:2] == pytest.approx([2.8, 3.5])
 
@@ -230,9 +213,19 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
     assert poller.registry.view(slow).num_running_reqs == 7
 
 
-def clock_back_after_first_sleep(poller, watch, jump_s: float) -> list[float]:
-    """Make the poller's first sleep end with its clock moved by `jump_s`; every wait it asks
-    for is appended to the list returned."""
+async def run_until(poller, done) -> None:
+    """Run the poller's loop until `done()` holds, then stop it."""
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poller.run(session))
+        try:
+            await _until(done)
+        finally:
+            await stop(task)
+
+
+def clock_moves_after_first_sleep(poller, watch, jump_s: float) -> list[float]:
+    """Make the poller's first sleep end with its clock moved by `jump_s` (held up: forward;
+    a clock going back: backward); every wait it asks for is appended to the list returned."""
     sleep, waits, jumps = poller.sleep, [], [jump_s]
 
     async def sleep_then_clock_back_once(seconds: float) -> None:
@@ -251,13 +244,8 @@ async def test_a_clock_that_goes_back_does_not_hold_up_the_next_round(start_repl
     clock has caught up with the old schedule."""
     a, _ = await start_replica()
     poller, watch = watched_poller([a], SignalsConfig(interval_s=1.0))
-    waits = clock_back_after_first_sleep(poller, watch, -1000.0)
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
-        try:
-            await _until(lambda: len(watch.started(a)) >= 3)
-        finally:
-            await stop(task)
+    waits = clock_moves_after_first_sleep(poller, watch, -1000.0)
+    await run_until(poller, lambda: len(watch.started(a)) >= 3)
     assert max(waits) <= 1.0 + 1e-9
     assert watch.started(a)[:3] == pytest.approx([0.0, -999.0, -998.0])
 
@@ -267,13 +255,8 @@ async def test_a_clock_that_goes_back_within_a_round_does_not_hold_up_its_next_s
     next one wait no more than its share of the interval."""
     urls = [(await start_replica())[0] for _ in range(3)]
     poller, watch = watched_poller(urls, SignalsConfig(interval_s=1.5))
-    waits = clock_back_after_first_sleep(poller, watch, -1000.0)
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
-        try:
-            await _until(lambda: len(watch.started(urls[0])) >= 2)
-        finally:
-            await stop(task)
+    waits = clock_moves_after_first_sleep(poller, watch, -1000.0)
+    await run_until(poller, lambda: len(watch.started(urls[0])) >= 2)
     assert max(waits) <= 1.5 + 1e-9
     assert watch.started(urls[2])[0] == pytest.approx(-999.0)  # its turn, half an interval on
 
