@@ -156,13 +156,20 @@ def test_decode_pick_takes_the_least_loaded_then_the_emptiest_kv():
     assert pick_decode(snap, frozenset({"d1", "d2", "d3"}), rng) is None
 
 
-async def test_a_dead_decode_server_is_retried_on_another_pair(start_router, sim_fleet, closed_port_url):
+async def _router_with_dead_decode(start_router, sim_fleet, closed_port_url):
+    """A router over one simulated prefill/decode pair plus a decode server on a closed port
+    (listed first), up to 3 attempts, its decode pick seeded; and the prefill servers."""
     prefill, decode = await sim_fleet(1, 1)
     pd = _pd(prefill, decode)
     pd["decode"].insert(0, closed_port_url)
     router, url = await start_router([], disaggregation=pd, upstream={"max_attempts": 3})
     assert router.decode_pool is not None
     router.decode_pool.rng = random.Random(0)
+    return router, url, prefill
+
+
+async def test_a_dead_decode_server_is_retried_on_another_pair(start_router, sim_fleet, closed_port_url):
+    router, url, _ = await _router_with_dead_decode(start_router, sim_fleet, closed_port_url)
     async with aiohttp.ClientSession() as s:
         for _ in range(12):  # the pick ties at random between the two idle decode servers
             async with s.post(url + "/v1/chat/completions", json={

@@ -6,7 +6,6 @@ loopback; a scripted policy, so each attempt's replica is known."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import aiohttp
 import pytest
@@ -16,7 +15,7 @@ from kvrouter.router.app import Router
 from kvrouter.router.placement import Placement
 
 from .fakes import FakeUpstream
-from .test_pd_routing import _metric, _pd, sim_fleet  # noqa: F401  (a fixture)
+from .test_pd_routing import _metric, _router_with_dead_decode, sim_fleet  # noqa: F401  (a fixture)
 from .test_placement import Scripted
 from .test_supervise import wait_for
 
@@ -123,12 +122,7 @@ async def test_a_pd_pair_retried_after_its_decode_half_failed_leaves_no_prefill_
         start_router, sim_fleet, closed_port_url, monkeypatch):
     # A decode server that never got the request: the prefill half is placed again on the same
     # server (`Placement.again`); each attempt's prefill comes off, the last at its first byte.
-    prefill, decode = await sim_fleet(1, 1)
-    pd = _pd(prefill, decode)
-    pd["decode"].insert(0, closed_port_url)
-    router, url = await start_router([], disaggregation=pd, upstream={"max_attempts": 3})
-    assert router.decode_pool is not None
-    router.decode_pool.rng = random.Random(0)
+    router, url, prefill = await _router_with_dead_decode(start_router, sim_fleet, closed_port_url)
     failures = 'kvrouter_pd_bootstrap_failures_total{stage="decode"}'
     again, placed_again = Placement.again, []
     monkeypatch.setattr(Placement, "again", lambda self: (placed_again.append(self.url), again(self))[1])
