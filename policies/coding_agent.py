@@ -50,7 +50,6 @@ Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -190,7 +189,7 @@ class CodingAgent:
         hw, p = self.high_water, self.params
         return [r for r in candidates
                 if not hw.overloaded(r)
-                or (r.rank_kv and not hw.overloaded(replace(r, token_usage=None))
+                or (r.rank_kv and not hw.over_request_marks(r)
                     and has_kv_room(r, request.prompt_tokens, p.replica_max_token_usage,
                                     p.cost.default_capacity_tokens))]
 

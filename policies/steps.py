@@ -65,11 +65,11 @@ class HighWater:
     max_token_usage: float  # SGLang token_usage
 
     def overloaded(self, r: ReplicaView) -> bool:
-        return (
-            r.load >= self.max_running
-            or (r.num_queue_reqs or 0) > self.max_queue
-            or (r.token_usage or 0.0) > self.max_token_usage
-        )
+        return self.over_request_marks(r) or (r.token_usage or 0.0) > self.max_token_usage
+
+    def over_request_marks(self, r: ReplicaView) -> bool:
+        """Above the running+queued or the queue mark (the marks other than token_usage)."""
+        return r.load >= self.max_running or (r.num_queue_reqs or 0) > self.max_queue
 
     def __call__(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
         # `overloaded`, inlined: this runs on every candidate of every decision.
