@@ -193,6 +193,8 @@ class Relay:
             status = 503
             return error_response(503, self._cut_reason, "service_unavailable",
                                   {REQUEST_ID: request_id, "Connection": "close"})
+        except ConnectionResetError:  # the client went away mid-answer: 499, as for a cancel
+            raise
         except Exception as err:  # answered by the errors middleware: logged with its status
             status = 400 if isinstance(err, orjson.JSONEncodeError) else 500
             raise
@@ -347,8 +349,10 @@ class Relay:
                 attempt.accepted()
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
-    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
-        ttfb = self.clock() - sent
+    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True,
+                    read_at: float | None = None) -> None:
+        """Record the answer's first body bytes, read at `read_at` (now if None)."""
+        ttfb = (self.clock() if read_at is None else read_at) - sent
         self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
         attempt.first_byte(ttfb, streamed)
 
@@ -388,7 +392,7 @@ class Relay:
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
         # event, its connection is cut, so the blocked write fails and the slot is released.
-        watchdog = asyncio.get_running_loop().call_later(
+        watchdog = request._conn.loop.call_later(  # (the running loop: no getpid() to find it)
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
@@ -425,13 +429,19 @@ class Relay:
         accept = attempt.accepted if usage.placement is attempt else None
         held = b""  # the body's last bytes, once the replica has sent its end: they go out
         # with the response's end (the empty chunk) in one write, not two
+        # When the first body bytes were read: recorded (TTFB metric, the placement's prefill
+        # done, admission's calibration) once they are written to the client, not before, so
+        # that this bookkeeping is not in the client's time to first byte; whatever happens
+        # next (the client gone, the replica failing), the `finally` below records it.
+        first_at: float | None = None
+        ended = False
         try:
             if first is None:
                 if accept is not None:  # runs once this read waits (a request sharing the prefix
                     # may be placed meanwhile); a no-op if the first write recorded it already
-                    asyncio.get_running_loop().call_soon(accept)
+                    request._conn.loop.call_soon(accept)
                 chunk = await readany()
-                self._first_byte(attempt, url, sent)
+                first_at = self.clock()
             else:
                 chunk = first
             while chunk:
@@ -463,10 +473,14 @@ class Relay:
                     break
                 if out:
                     await write(out)
+                    if first_at is not None:
+                        self._first_byte(attempt, url, sent, read_at=first_at)
+                        first_at = None
                     if accept is not None:
                         accept()
                         accept = None
                 chunk = await readany()
+            ended = True  # the replica's end came: its last bytes and the end go out below
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
             if isinstance(err, UpstreamTimeout):
@@ -475,15 +489,21 @@ class Relay:
             attempt.broke("midstream")
             return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream")
         except asyncio.CancelledError:
-            task = asyncio.current_task()
+            task = asyncio.current_task(request._conn.loop)
             if task is None or not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
+        finally:
+            if first_at is not None and not ended:  # no write made it out: recorded all the same
+                self._first_byte(attempt, url, sent, read_at=first_at)
+                first_at = None
         if tail:
             held += tail
         try:
             await response.write_eof(held)
         finally:
+            if first_at is not None:  # the whole body went out with the end
+                self._first_byte(attempt, url, sent, read_at=first_at)
             if accept is not None:  # nothing went out before the end: recorded before its usage is learnt
                 accept()
             usage.stream_ended(sse, before + last if keep_last else b"")

@@ -1,0 +1,127 @@
+"""A stream's first bytes go to the client before the router's bookkeeping of them (the
+time-to-first-byte metric, the placement's first byte, admission's calibration), and that
+bookkeeping is never lost: not when the client goes away as the first bytes are written, and
+the decision log still has the request's line with its time to first byte."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import aiohttp
+from aiohttp import ClientSession, web
+
+from kvrouter.router import data_http
+from kvrouter.router.decision_log import LOG_FORMAT
+from kvrouter.router.placement import Placement
+
+CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+
+def _streaming_app(release: asyncio.Event) -> web.Application:
+    """A replica that sends its head, then a token, then waits for `release` to end."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(TOKEN)
+        await release.wait()
+        await resp.write_eof(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def _ttfb_count(router: Any, replica: str) -> float:
+    router.metrics.render()  # deferred observations reach the histograms
+    return router.metrics.registry.get_sample_value(
+        "kvrouter_upstream_ttfb_seconds_count", {"replica": replica}) or 0.0
+
+
+async def _lines(path: Path, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists() and path.stat().st_size:
+            lines = [orjson.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
+            assert lines[0] == {"format": LOG_FORMAT}
+            if len(lines) > n:
+                return lines[1:]
+        assert time.monotonic() < deadline, f"decision log has fewer than {n} lines"
+        await asyncio.sleep(0.02)
+
+
+def _record_order(monkeypatch) -> list[str]:
+    """Log, in order, the data port's stream writes and the placements' first-byte records."""
+    events: list[str] = []
+    write, first_byte = data_http.StreamResponse.write, Placement.first_byte
+
+    async def logged_write(self, data: bytes) -> None:
+        events.append("client_write")
+        await write(self, data)
+
+    def logged_first_byte(self, *args, **kwargs) -> None:
+        events.append("first_byte")
+        first_byte(self, *args, **kwargs)
+
+    monkeypatch.setattr(data_http.StreamResponse, "write", logged_write)
+    monkeypatch.setattr(Placement, "first_byte", logged_first_byte)
+    return events
+
+
+async def test_the_first_bytes_go_out_before_their_bookkeeping(start_app, start_router, monkeypatch):
+    events = _record_order(monkeypatch)
+    release = asyncio.Event()
+    replica = await start_app(_streaming_app(release))
+    router, url = await start_router([replica], signals={"interval_s": 60})
+    async with ClientSession() as client:
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readuntil(b"\n\n")) == TOKEN
+            release.set()
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert events[:2] == ["client_write", "first_byte"]
+    assert events.count("first_byte") == 1 and _ttfb_count(router, replica) == 1
+
+
+async def test_a_client_gone_as_the_first_bytes_are_written_still_leaves_every_record(
+        start_app, start_router, monkeypatch, tmp_path: Path):
+    """The client's connection fails on the first write: the first byte, the TTFB metric, the
+    request's metrics and its decision-log line are all still recorded."""
+    events = _record_order(monkeypatch)
+    write = data_http.StreamResponse.write
+
+    async def gone(self, data: bytes) -> None:
+        await write(self, data)  # (logged)
+        self._conn.transport.abort()  # as if the client had gone: the write's error follows
+        raise ConnectionResetError("client connection closed")
+
+    monkeypatch.setattr(data_http.StreamResponse, "write", gone)
+    release = asyncio.Event()
+    replica = await start_app(_streaming_app(release))
+    path = tmp_path / "decisions.jsonl"
+    router, url = await start_router([replica], signals={"interval_s": 60},
+                                     observability={"decision_log": str(path)})
+    try:
+        async with ClientSession() as client:
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
+                await resp.read()
+    except aiohttp.ClientError:  # the connection was cut: only the router's records matter here
+        pass
+    finally:
+        release.set()
+    (line,) = await _lines(path, 1)
+    assert line["replica"] == replica and line["status"] == 499
+    assert line["ttft_s"] is not None and line["ttft_s"] > 0
+    assert events[:2] == ["client_write", "first_byte"] and events.count("first_byte") == 1
+    assert _ttfb_count(router, replica) == 1
+    router.metrics.render()
+    disconnects = router.metrics.registry.get_sample_value("kvrouter_client_disconnects_total") or 0.0
+    assert disconnects == 1
+    assert router.registry.snapshot().get(replica).in_flight == 0  # the slot was released
