@@ -317,12 +317,14 @@ class UpstreamPool:
         """Send one request to the replica at `base_url`; return once its headers have arrived.
         Raises UpstreamConnectError (UpstreamConnectTimeout among them: nothing was sent), or
         UpstreamTimeout (header or total timeout: the replica has the request)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.total_timeout_s
         key, host, prefix = self._base(base_url)
         data = _serialize(method, prefix + path_qs, host, headers, body)
-        conn = self._take_idle(key, loop.time())
+        conn = self._take_idle(key)
         if conn is not None:
+            # A pooled connection's loop is the running one (asking asyncio for it costs a
+            # getpid() system call)
+            loop = conn.loop
+            deadline = loop.time() + self.total_timeout_s
             try:
                 return await conn.exchange(data, deadline)
             except UpstreamConnectError:
@@ -330,14 +332,17 @@ class UpstreamPool:
                     raise
                 # The replica closed this idle connection as we wrote to it: nothing was
                 # answered, so the request goes once more on a new connection.
+        else:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.total_timeout_s
         conn = await self._connect(key, loop, deadline)
         return await conn.exchange(data, deadline)
 
-    def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
+    def _take_idle(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if (not conn.lost and now - conn.idle_since < IDLE_KEEPALIVE_S
+            if (not conn.lost and conn.loop.time() - conn.idle_since < IDLE_KEEPALIVE_S
                     and conn.transport is not None and not conn.transport.is_closing()):
                 return conn
             conn.abort()

@@ -125,3 +125,45 @@ async def test_a_client_gone_as_the_first_bytes_are_written_still_leaves_every_r
     disconnects = router.metrics.registry.get_sample_value("kvrouter_client_disconnects_total") or 0.0
     assert disconnects == 1
     assert router.registry.snapshot().get(replica).in_flight == 0  # the slot was released
+
+
+class _CountingAsyncio:
+    """The asyncio module as one router module sees it, counting the calls that find the
+    running loop with a getpid() system call (`current_task()` without a loop does too)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    def get_running_loop(self) -> asyncio.AbstractEventLoop:
+        self.calls += 1
+        return asyncio.get_running_loop()
+
+    def current_task(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task | None:
+        if loop is None:
+            self.calls += 1
+        return asyncio.current_task(loop)
+
+
+async def test_a_stream_on_a_pooled_connection_looks_the_loop_up_once(start_app, start_router,
+                                                                      monkeypatch):
+    """Each look-up of the running loop is a system call on the request's path: the relay and
+    its upstream client take the loop from the connections they already hold."""
+    from kvrouter.router import relay, upstream_http
+
+    release = asyncio.Event()
+    release.set()
+    replica = await start_app(_streaming_app(release))
+    _, url = await start_router([replica], signals={"interval_s": 60})
+    counted = _CountingAsyncio()
+    async with ClientSession() as client:
+        for i in range(2):  # the first one opens the pooled connection
+            if i == 1:
+                monkeypatch.setattr(relay, "asyncio", counted)
+                monkeypatch.setattr(upstream_http, "asyncio", counted)
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+                assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert counted.calls == 1  # the relay's own task, when the request begins
