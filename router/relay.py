@@ -180,8 +180,8 @@ class Relay:
                         status = 429
                         return error_response(429, str(err), "rate_limit_error", {
                             REQUEST_ID: request_id, "Retry-After": str(err.retry_after_s)})
-                else:
-                    placement = route.place()
+                else:  # its decision notes, if any, once the request is sent (`_attempts`)
+                    placement = route.place(defer_notes=self.pd is None)
                 response = await self._attempts(
                     request, body, route, placement, request_id,
                     UsageAccount(request.path, prompt_bytes, drop_usage), trace, decide_ns)
@@ -254,15 +254,21 @@ class Relay:
             status: int | None = None  # the replica's answer, for the upstream span
             try:  # no await since place() or retry(): done() always releases the slot
                 if current.home_pending:  # (no coroutine for a request without a session)
+                    current.settle_notes()  # (deferred notes are worked out before any await)
                     await current.confirm_home(route.store)
                 url = current.url
                 if trace is not None:
+                    current.settle_notes()
                     trace.decided(current, decide_ns)
                     trace.upstream_start(current, headers)
                 sent = current.sent_at = self.clock()
                 sent_body = body if current.rank is None else routed_body(body, current.rank)
                 try:
-                    upstream = await self.pool.request(request.method, url, path_qs, headers, sent_body)
+                    # Written before `send` returns (on a pooled connection): the decision's
+                    # notes (decision log, shadow policies) are worked out while it travels.
+                    answer = self.pool.send(request.method, url, path_qs, headers, sent_body)
+                    current.settle_notes()
+                    upstream = await answer
                 except UpstreamConnectError as err:  # the replica never got the request
                     kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
                     current.unreachable(kind)
@@ -350,8 +356,7 @@ class Relay:
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
     def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True,
-                    read_at: float | None = None) -> None:
-        """Record the answer's first body bytes, read at `read_at` (now if None)."""
+                    read_at: float | None = None) -> None:  # read at `read_at` (None: now)
         ttfb = (self.clock() if read_at is None else read_at) - sent
         self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
         attempt.first_byte(ttfb, streamed)
@@ -429,10 +434,8 @@ class Relay:
         accept = attempt.accepted if usage.placement is attempt else None
         held = b""  # the body's last bytes, once the replica has sent its end: they go out
         # with the response's end (the empty chunk) in one write, not two
-        # When the first body bytes were read: recorded (TTFB metric, the placement's prefill
-        # done, admission's calibration) once they are written to the client, not before, so
-        # that this bookkeeping is not in the client's time to first byte; whatever happens
-        # next (the client gone, the replica failing), the `finally` below records it.
+        # When the first bytes were read: recorded (TTFB metric, Placement.first_byte) after
+        # their write to the client, not in its time to first byte; recorded whatever happens.
         first_at: float | None = None
         ended = False
         try:
@@ -496,7 +499,6 @@ class Relay:
         finally:
             if first_at is not None and not ended:  # no write made it out: recorded all the same
                 self._first_byte(attempt, url, sent, read_at=first_at)
-                first_at = None
         if tail:
             held += tail
         try:

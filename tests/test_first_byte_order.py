@@ -167,3 +167,80 @@ async def test_a_stream_on_a_pooled_connection_looks_the_loop_up_once(start_app,
                 assert resp.status == 200
                 assert (await resp.read()).endswith(b"data: [DONE]\n\n")
     assert counted.calls == 1  # the relay's own task, when the request begins
+
+
+async def test_decision_notes_are_worked_out_once_the_request_is_sent(start_app, start_router,
+                                                                      monkeypatch, tmp_path: Path):
+    """With the decision log and a shadow policy on, the decision's notes (what it predicts,
+    where the shadow would have sent the request) come after the request's bytes are written
+    to the replica, and still reach the log line and the shadow metrics, once per request."""
+    from kvrouter.router import upstream_http
+    from kvrouter.router.engine import RoutingEngine
+
+    events: list[str] = []
+    made, notes = upstream_http._Connection.connection_made, RoutingEngine.notes
+
+    class LoggedTransport:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def write(self, data: bytes) -> None:
+            self._inner.write(data)
+            events.append("upstream_write")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    def logged_made(self, transport) -> None:
+        made(self, transport)
+        self.transport = LoggedTransport(self.transport)
+
+    def logged_notes(self, *args, **kwargs):
+        events.append("notes")
+        return notes(self, *args, **kwargs)
+
+    monkeypatch.setattr(upstream_http._Connection, "connection_made", logged_made)
+    monkeypatch.setattr(RoutingEngine, "notes", logged_notes)
+    release = asyncio.Event()
+    release.set()
+    replica = await start_app(_streaming_app(release))
+    path = tmp_path / "decisions.jsonl"
+    router, url = await start_router([replica], signals={"interval_s": 60},
+                                     observability={"decision_log": str(path)},
+                                     routing={"shadow": ["consistent-hash"]})
+    async with ClientSession() as client:
+        for _ in range(2):  # the second goes on the pooled connection
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+                await resp.read()
+    # The first waits for a new connection (its notes come before that wait); the second is
+    # written on the pooled connection at once, its notes after.
+    assert events == ["notes", "upstream_write", "upstream_write", "notes"]
+    for line in await _lines(path, 2):
+        assert line["status"] == 200 and line["policy"] == "coding_agent"
+        assert line["predicted_cached"] == 0 and line["predicted_ttft_s"] is not None
+        assert line["shadow"]["consistent-hash"]["replica"] == replica
+    router.metrics.render()
+    agreed = router.metrics.registry.get_sample_value(
+        "kvrouter_shadow_decisions_total", {"shadow": "consistent-hash", "agrees": "true"})
+    assert agreed == 2
+
+
+async def test_a_request_that_never_reaches_a_replica_still_logs_its_notes(
+        start_router, closed_port_url, tmp_path: Path):
+    path = tmp_path / "decisions.jsonl"
+    router, url = await start_router([closed_port_url], signals={"interval_s": 60},
+                                     observability={"decision_log": str(path)},
+                                     routing={"shadow": ["consistent-hash"]},
+                                     upstream={"max_attempts": 2})
+    async with ClientSession() as client:
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 503
+    (line,) = await _lines(path, 1)
+    assert line["status"] == 503 and line["policy"] == "coding_agent"
+    assert line["shadow"]["consistent-hash"]["replica"] == closed_port_url
+    router.metrics.render()
+    total = sum(router.metrics.registry.get_sample_value(
+        "kvrouter_shadow_decisions_total", {"shadow": "consistent-hash", "agrees": a}) or 0.0
+        for a in ("true", "false"))
+    assert total == 1  # one placement: its retry has no replica left to go to
