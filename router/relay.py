@@ -93,6 +93,7 @@ class Relay:
         self.config = config
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None  # control plane: polls, /v1/models
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running one, from start()
         self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s,  # requests
                                  header_timeout_s=config.header_timeout_s,
                                  idle_timeout_s=config.idle_timeout_s)
@@ -106,6 +107,7 @@ class Relay:
         )
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()  # (asking asyncio per request costs a getpid())
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, ttl_dns_cache=10)
         # Bytes pass through untouched: no decompression, no headers the client did not send.
         self.session = aiohttp.ClientSession(
@@ -160,7 +162,7 @@ class Relay:
         request goes through admission control first (it may wait, or get 429). `received`:
         when the handler got the request (this relay's clock), for the decision log's time the
         router spent before sending it."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
         self._active.add(task)
         logged = self.decision_log is not None
