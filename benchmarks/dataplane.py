@@ -127,6 +127,8 @@ async def measure(args: argparse.Namespace, targets: dict[str, str],
     print("(a) streaming C=1 ...", flush=True)
     out["streaming_c1"] = await sc.streaming_c1(targets, args.requests, 20, args.clients)
     out["loadavg_after"]["streaming_c1"] = os.getloadavg()[0]
+    if args.c1_only:
+        return out
     if args.large_requests:
         print(f"(a') streaming C=1, ~{args.large_kb} KB append-only prompts ...", flush=True)
         out["streaming_c1_large"] = await sc.streaming_c1(targets, args.large_requests, 20, args.clients,
@@ -217,6 +219,8 @@ def report(result: dict[str, Any], names: list[str]) -> None:
                        ("streaming_c1_large", "(a') the same, ~400 KB append-only prompts")):
         if key in result:
             report_c1(result[key], title, others)
+    if "paced_c64" not in result:  # --c1-only
+        return
     print("\n(b) streaming C=64, 10 ms pacing: chunk delivery latency ms (added over direct)")
     d = result["paced_c64"]["direct"]
     print(f"  direct       p50 {d['chunk_latency']['p50_ms']:.2f} p99 {d['chunk_latency']['p99_ms']:.2f}"
@@ -272,8 +276,12 @@ def main() -> int:
     parser.add_argument("--stagger-ms", type=float, default=2.0, help="(d) gap between stream starts")
     parser.add_argument("--no-scaling", action="store_true", help="skip (e) --workers 1 vs 2")
     parser.add_argument("--no-placement", action="store_true", help="skip (f)")
+    parser.add_argument("--c1-only", action="store_true",
+                        help="only (a), streaming C=1 with small prompts (implies --no-scaling --no-placement)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
+    if args.c1_only:
+        args.no_scaling = args.no_placement = True
     args.clients = [c for c in args.clients.split(",") if c]
     if args.upstream == "uvicorn":
         try:

@@ -167,11 +167,12 @@ class RoutingEngine:
         target: str | None = None,
         *,
         retry_of: Placement | None = None,
+        defer_notes: bool = False,
     ) -> Placement | None:
         """Decide and reserve the replica's in-flight slot, with no await in between: the next
         decision sees this one. `target` (a validated routing hint) bypasses the policy. None if
         no replica can take the request. `retry_of`: the request's previous placement (see
-        `Placement.retry`)."""
+        `Placement.retry`). `defer_notes`: see `commit`."""
         if target is not None:
             if not self.registry.healthy(target):  # checked by the handler, but awaits came since
                 return None
@@ -180,7 +181,8 @@ class RoutingEngine:
             decision, summary = self.decide(summary, session)
         if decision is None:
             return None
-        return self.commit(decision, summary, session, target=target, retry_of=retry_of)
+        return self.commit(decision, summary, session, target=target, retry_of=retry_of,
+                           defer_notes=defer_notes)
 
     def commit(
         self,
@@ -190,17 +192,30 @@ class RoutingEngine:
         *,
         target: str | None = None,
         retry_of: Placement | None = None,
+        defer_notes: bool = False,
     ) -> Placement:
         """Reserve the slot of a decision `decide` just made (no await since): admission control
         decides, weighs waiting against it, and only then commits. The registry has not changed
-        since the decision, so its notes (decision log, tracing, shadows) see the same snapshot."""
+        since the decision, so its notes (decision log, tracing, shadows) see the same snapshot.
+        `defer_notes`: the notes are worked out by `Placement.settle_notes`, which the caller
+        promises to call before its next await (the relay: once the request is on its way to
+        the replica, so that they are not in its time to first byte); the snapshot is taken now
+        and nothing changes the registry's views until that call."""
         notes = None
+        pending = None
         if target is None and (self.explain or self.shadows):
-            notes = self.notes(self._snapshot(session), summary, decision)
+            if defer_notes:
+                pending = (self._snapshot(session), summary, decision)
+            else:
+                notes = self.notes(self._snapshot(session), summary, decision)
         if self.metrics is not None:
             m = self.metrics
             m.count(m.decisions, (self.policy.name, decision.reason))
-        return Placement(self, summary, session, decision, target=target, retry_of=retry_of, notes=notes)
+        placement = Placement(self, summary, session, decision, target=target, retry_of=retry_of,
+                              notes=notes)
+        if defer_notes:
+            placement.defer_notes(pending)
+        return placement
 
     def route(self, summary: RequestSummary, store: SessionStore, target: str | None = None) -> RequestRoute:
         """One request's routing in its session: `async with engine.route(...) as route:`

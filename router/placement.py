@@ -26,16 +26,19 @@ acquired on entry, ended exactly once on exit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..policies.domain import Decision, RequestSummary, SessionView
+from ..policies.domain import Decision, RequestSummary, SessionView, Snapshot
 from ..policies.predict import Prediction
 from .usage import UsageReport
 
 if TYPE_CHECKING:
     from .decode_pool import DecodeSlot
     from .engine import RoutingEngine
+
+log = logging.getLogger("kvrouter.placement")
 
 
 class HomeStore(Protocol):
@@ -97,7 +100,8 @@ class Placement:
     __slots__ = ("engine", "summary", "session", "decision", "url", "target", "tried", "notes",
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
                  "rank", "decode", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
-                 "_counted", "_registration", "_prefill_tokens", "sent_at")
+                 "_counted", "_registration", "_prefill_tokens", "sent_at", "_pending_notes",
+                 "_defer_notes")
 
     def __init__(
         self,
@@ -112,6 +116,10 @@ class Placement:
     ) -> None:
         self.engine = engine
         self.notes = notes  # with engine.explain or shadow policies on; else None
+        # (snapshot, summary, decision) of notes not worked out yet (`settle_notes`); whether
+        # this attempt's retries defer theirs too
+        self._pending_notes: tuple[Snapshot, RequestSummary, Decision] | None = None
+        self._defer_notes = False
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
         self.sent_at: float | None = None  # when the relay sent it (its clock), once it did
         self.usage: UsageReport | str | None = None  # as reported (or why not)
@@ -191,6 +199,23 @@ class Placement:
         if tokens and self._held and registry.registration(self.url) == self._registration:
             registry.prefill_answered(self.url, tokens)
 
+    def defer_notes(self, pending: tuple[Snapshot, RequestSummary, Decision] | None) -> None:
+        """`RoutingEngine.commit(defer_notes=True)`: the decision's notes are worked out by
+        `settle_notes` (`pending`: what they are worked out from; None: no notes to make), and
+        this attempt's retries defer theirs too."""
+        self._pending_notes = pending
+        self._defer_notes = True
+
+    def settle_notes(self) -> None:
+        """Work out deferred notes now (counting the shadow metrics). Idempotent. A fault here
+        is logged, never the request's: the notes are only observability."""
+        pending, self._pending_notes = self._pending_notes, None
+        if pending is not None:
+            try:
+                self.notes = self.engine.notes(*pending)
+            except Exception:
+                log.exception("decision notes for %s failed", self.url)
+
     @property
     def held(self) -> bool:
         """The replica's in-flight slot is still reserved for this attempt."""
@@ -200,6 +225,7 @@ class Placement:
         """The attempt is over (answered, failed or cancelled): release the slot. Idempotent.
         `served=False`: whatever it accepted, it did not serve the request (a PD prefill half
         whose decode half failed), so admission counts no completion."""
+        self.settle_notes()  # (a no-op unless deferred, and the attempt never got as far as sending)
         if self._held:
             self._release(self.url, served)
 
@@ -368,7 +394,7 @@ class Placement:
         if self.target is not None:
             return None
         summary = dataclasses.replace(self.summary, exclude=self.tried | {self.url})
-        return self.engine.place(summary, self.session, retry_of=self)
+        return self.engine.place(summary, self.session, retry_of=self, defer_notes=self._defer_notes)
 
 
 class RequestRoute:
@@ -405,6 +431,7 @@ class RequestRoute:
         if key is not None:
             await self.store.end(key)
 
-    def place(self) -> Placement | None:
-        """The request's first placement (its slot reserved), or None if no replica can take it."""
-        return self.engine.place(self.summary, self.session, self.target)
+    def place(self, *, defer_notes: bool = False) -> Placement | None:
+        """The request's first placement (its slot reserved), or None if no replica can take it.
+        `defer_notes`: see `RoutingEngine.commit`."""
+        return self.engine.place(self.summary, self.session, self.target, defer_notes=defer_notes)

@@ -93,6 +93,7 @@ class Relay:
         self.config = config
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None  # control plane: polls, /v1/models
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running one, from start()
         self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s,  # requests
                                  header_timeout_s=config.header_timeout_s,
                                  idle_timeout_s=config.idle_timeout_s)
@@ -106,6 +107,7 @@ class Relay:
         )
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()  # (asking asyncio per request costs a getpid())
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, ttl_dns_cache=10)
         # Bytes pass through untouched: no decompression, no headers the client did not send.
         self.session = aiohttp.ClientSession(
@@ -160,7 +162,7 @@ class Relay:
         request goes through admission control first (it may wait, or get 429). `received`:
         when the handler got the request (this relay's clock), for the decision log's time the
         router spent before sending it."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
         self._active.add(task)
         logged = self.decision_log is not None
@@ -180,8 +182,8 @@ class Relay:
                         status = 429
                         return error_response(429, str(err), "rate_limit_error", {
                             REQUEST_ID: request_id, "Retry-After": str(err.retry_after_s)})
-                else:
-                    placement = route.place()
+                else:  # its decision notes, if any, once the request is sent (`_attempts`)
+                    placement = route.place(defer_notes=self.pd is None)
                 response = await self._attempts(
                     request, body, route, placement, request_id,
                     UsageAccount(request.path, prompt_bytes, drop_usage), trace, decide_ns)
@@ -193,6 +195,8 @@ class Relay:
             status = 503
             return error_response(503, self._cut_reason, "service_unavailable",
                                   {REQUEST_ID: request_id, "Connection": "close"})
+        except ConnectionResetError:  # the client went away mid-answer: 499, as for a cancel
+            raise
         except Exception as err:  # answered by the errors middleware: logged with its status
             status = 400 if isinstance(err, orjson.JSONEncodeError) else 500
             raise
@@ -252,15 +256,21 @@ class Relay:
             status: int | None = None  # the replica's answer, for the upstream span
             try:  # no await since place() or retry(): done() always releases the slot
                 if current.home_pending:  # (no coroutine for a request without a session)
+                    current.settle_notes()  # (deferred notes are worked out before any await)
                     await current.confirm_home(route.store)
                 url = current.url
                 if trace is not None:
+                    current.settle_notes()
                     trace.decided(current, decide_ns)
                     trace.upstream_start(current, headers)
                 sent = current.sent_at = self.clock()
                 sent_body = body if current.rank is None else routed_body(body, current.rank)
                 try:
-                    upstream = await self.pool.request(request.method, url, path_qs, headers, sent_body)
+                    # Written before `send` returns (on a pooled connection): the decision's
+                    # notes (decision log, shadow policies) are worked out while it travels.
+                    answer = self.pool.send(request.method, url, path_qs, headers, sent_body)
+                    current.settle_notes()
+                    upstream = await answer
                 except UpstreamConnectError as err:  # the replica never got the request
                     kind = "connect_timeout" if isinstance(err, UpstreamConnectTimeout) else "connect"
                     current.unreachable(kind)
@@ -347,8 +357,9 @@ class Relay:
                 attempt.accepted()
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
-    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True) -> None:
-        ttfb = self.clock() - sent
+    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True,
+                    read_at: float | None = None) -> None:  # read at `read_at` (None: now)
+        ttfb = (self.clock() if read_at is None else read_at) - sent
         self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
         attempt.first_byte(ttfb, streamed)
 
@@ -388,7 +399,7 @@ class Relay:
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
         # event, its connection is cut, so the blocked write fails and the slot is released.
-        watchdog = asyncio.get_running_loop().call_later(
+        watchdog = request._conn.loop.call_later(  # (the running loop: no getpid() to find it)
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
@@ -425,13 +436,17 @@ class Relay:
         accept = attempt.accepted if usage.placement is attempt else None
         held = b""  # the body's last bytes, once the replica has sent its end: they go out
         # with the response's end (the empty chunk) in one write, not two
+        # When the first bytes were read: recorded (TTFB metric, Placement.first_byte) after
+        # their write to the client, not in its time to first byte; recorded whatever happens.
+        first_at: float | None = None
+        ended = False
         try:
             if first is None:
                 if accept is not None:  # runs once this read waits (a request sharing the prefix
                     # may be placed meanwhile); a no-op if the first write recorded it already
-                    asyncio.get_running_loop().call_soon(accept)
+                    request._conn.loop.call_soon(accept)
                 chunk = await readany()
-                self._first_byte(attempt, url, sent)
+                first_at = self.clock()
             else:
                 chunk = first
             while chunk:
@@ -463,10 +478,14 @@ class Relay:
                     break
                 if out:
                     await write(out)
+                    if first_at is not None:
+                        self._first_byte(attempt, url, sent, read_at=first_at)
+                        first_at = None
                     if accept is not None:
                         accept()
                         accept = None
                 chunk = await readany()
+            ended = True  # the replica's end came: its last bytes and the end go out below
         except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
             # client that went away raise ConnectionResetError, which propagates)
             if isinstance(err, UpstreamTimeout):
@@ -475,15 +494,20 @@ class Relay:
             attempt.broke("midstream")
             return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream")
         except asyncio.CancelledError:
-            task = asyncio.current_task()
+            task = asyncio.current_task(request._conn.loop)
             if task is None or not self._was_cut(task):
                 raise  # the client went away, or something else cancels this handler
             return await self._end_with_error(request, response, sse, self._cut_reason, 503)
+        finally:
+            if first_at is not None and not ended:  # no write made it out: recorded all the same
+                self._first_byte(attempt, url, sent, read_at=first_at)
         if tail:
             held += tail
         try:
             await response.write_eof(held)
         finally:
+            if first_at is not None:  # the whole body went out with the end
+                self._first_byte(attempt, url, sent, read_at=first_at)
             if accept is not None:  # nothing went out before the end: recorded before its usage is learnt
                 accept()
             usage.stream_ended(sse, before + last if keep_last else b"")

@@ -20,6 +20,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections.abc import Coroutine
+from typing import Any
+
 import httptools
 from multidict import CIMultiDict
 from yarl import URL
@@ -72,6 +75,12 @@ class _Connection(asyncio.Protocol):
                        deadline: float) -> UpstreamResponse:
         """Send `data`; return once the response headers arrive. `deadline` (loop time) ends the
         whole exchange; the pool's header and idle timeouts count from now."""
+        return await self.head_of(self.send(data, deadline))
+
+    def send(self, data: bytes | tuple[bytes | memoryview, ...],
+             deadline: float) -> asyncio.Future[UpstreamResponse]:
+        """`exchange`'s first half: write `data` now; the future the headers resolve, which
+        `head_of` must await next."""
         assert self.transport is not None and self._response is None
         self.received = 0
         if self.lost or self.transport.is_closing():
@@ -95,6 +104,10 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines(data)
         else:
             self.transport.write(data)
+        return head
+
+    async def head_of(self, head: asyncio.Future[UpstreamResponse]) -> UpstreamResponse:
+        """`exchange`'s second half: the response once its headers arrive (`head`, from `send`)."""
         try:
             return await head
         except BaseException:
@@ -317,27 +330,52 @@ class UpstreamPool:
         """Send one request to the replica at `base_url`; return once its headers have arrived.
         Raises UpstreamConnectError (UpstreamConnectTimeout among them: nothing was sent), or
         UpstreamTimeout (header or total timeout: the replica has the request)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.total_timeout_s
+        return await self.send(method, base_url, path_qs, headers, body)
+
+    def send(self, method: str, base_url: str, path_qs: str, headers: CIMultiDict[str],
+             body: bytes | SplicedBody) -> Coroutine[Any, Any, UpstreamResponse]:
+        """`request`, whose bytes are written before this returns when a pooled connection
+        takes them: the caller can do its own work while they travel, before awaiting the
+        returned coroutine (which it must, at once: the exchange is under way). Without a
+        pooled connection, the coroutine connects and sends when awaited."""
         key, host, prefix = self._base(base_url)
         data = _serialize(method, prefix + path_qs, host, headers, body)
-        conn = self._take_idle(key, loop.time())
-        if conn is not None:
-            try:
-                return await conn.exchange(data, deadline)
-            except UpstreamConnectError:
-                if conn.received:
-                    raise
-                # The replica closed this idle connection as we wrote to it: nothing was
-                # answered, so the request goes once more on a new connection.
+        conn = self._take_idle(key)
+        if conn is None:
+            return self._send_on_new(key, data, asyncio.get_running_loop())
+        # A pooled connection's loop is the running one (asking asyncio for it costs a
+        # getpid() system call)
+        deadline = conn.loop.time() + self.total_timeout_s
+        try:
+            head = conn.send(data, deadline)
+        except UpstreamConnectError:  # closed while idle: nothing was sent on it
+            return self._send_on_new(key, data, conn.loop)
+        return self._head_or_resend(conn, head, key, data, deadline)
+
+    async def _head_or_resend(self, conn: _Connection, head: asyncio.Future[UpstreamResponse],
+                              key: tuple[str, str, int], data: bytes | tuple[bytes | memoryview, ...],
+                              deadline: float) -> UpstreamResponse:
+        try:
+            return await conn.head_of(head)
+        except UpstreamConnectError:
+            if conn.received:
+                raise
+            # The replica closed this idle connection as we wrote to it: nothing was
+            # answered, so the request goes once more on a new connection.
+        new = await self._connect(key, conn.loop, deadline)
+        return await new.exchange(data, deadline)
+
+    async def _send_on_new(self, key: tuple[str, str, int], data: bytes | tuple[bytes | memoryview, ...],
+                           loop: asyncio.AbstractEventLoop) -> UpstreamResponse:
+        deadline = loop.time() + self.total_timeout_s
         conn = await self._connect(key, loop, deadline)
         return await conn.exchange(data, deadline)
 
-    def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
+    def _take_idle(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if (not conn.lost and now - conn.idle_since < IDLE_KEEPALIVE_S
+            if (not conn.lost and conn.loop.time() - conn.idle_since < IDLE_KEEPALIVE_S
                     and conn.transport is not None and not conn.transport.is_closing()):
                 return conn
             conn.abort()
