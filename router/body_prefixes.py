@@ -44,6 +44,8 @@ _CLOSER, _COMMA = ord("]"), ord(",")
 _JSON_SPACE = b" \t\r\n"
 _PER_CHECKPOINT = 4
 _MAX_SESSIONS = 1 << 16
+# Every byte but those `_parsed_size` counts.
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'{[,"')
 
 
 def _parsed_size(data: bytes, start: int, end: int) -> int:
@@ -51,9 +53,9 @@ def _parsed_size(data: bytes, start: int, end: int) -> int:
     to about twice, never under, as measured on CPython 3.11): its decoded text, and a dict per
     `{`, a list per `[`, a list slot and a number per `,`, half a str per `"`. Short messages
     cost many times their JSON bytes; the store's bound counts what they cost."""
-    count = data.count
-    return (end - start) + 100 * count(b"{", start, end) + 56 * count(b"[", start, end) \
-        + 32 * count(b",", start, end) + 20 * count(b'"', start, end)
+    marks = data[start:end].translate(None, _NOT_MARKS)  # one pass; the four counts then
+    count = marks.count  # walk only the (few) structural bytes
+    return (end - start) + 100 * count(b"{") + 56 * count(b"[") + 32 * count(b",") + 20 * count(b'"')
 
 
 class _Prefix:

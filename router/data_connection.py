@@ -40,6 +40,9 @@ _MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones
 _MAX_HEAD_BYTES = _MAX_HEADERS_TOTAL + 2 * _MAX_HEADER_BYTES
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
 _QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
+# A Content-Length body with this much left once its head is parsed is taken from the reads
+# as they come, not through the parser (which would copy it once more, into its own pieces).
+_DIRECT_BODY_BYTES = 64 * 1024
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
 # Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
 _SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
@@ -73,6 +76,8 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None  # loop time the connection became idle
         self._reading_paused = False
+        self._body_length: int | None = None  # the Content-Length of the body being parsed
+        self._direct_left = 0  # body bytes still to come past the parser (`_receive_direct`)
 
     # -- transport events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -122,6 +127,10 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.upgraded:
             return
+        if self._direct_left:
+            data = self._receive_direct(data)
+            if not data:
+                return
         in_head, heads = self._in_head, self._heads
         try:
             self.parser.feed_data(data)
@@ -142,6 +151,26 @@ class Connection(asyncio.Protocol):
             self._head_received += len(data)
             if self._head_received > _MAX_HEAD_BYTES:
                 self._protocol_error(431, "malformed HTTP request: request headers too large")
+                return
+        request = self._parsing
+        if request is not None and self._body_length is not None and not self._in_head \
+                and not request._complete and not request._too_large:
+            left = self._body_length - request._size
+            if left >= _DIRECT_BODY_BYTES:
+                self._direct_left = left
+
+    def _receive_direct(self, data: bytes) -> bytes:
+        """Take the body's next bytes from `data` as they are (a read wholly body is kept, not
+        copied); once it is whole, the request is complete and a new parser (the old one still
+        counts the body) takes what follows. Returns what is left of `data`."""
+        left = self._direct_left
+        piece, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
+        self._direct_left = left - len(piece)
+        self.on_body(piece)
+        if not self._direct_left:
+            self.parser = httptools.HttpRequestParser(self)
+            self.on_message_complete()
+        return rest
 
     # -- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -149,6 +178,7 @@ class Connection(asyncio.Protocol):
         self._raw_headers = []
         self._header_bytes = 0
         self._in_head = True
+        self._body_length = None
         self._heads += 1
         self._head_received = 0
 
@@ -200,6 +230,11 @@ class Connection(asyncio.Protocol):
         length = request.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             request._too_large = True
+        self._body_length = None
+        if coding is None and length is not None and length.isdigit() \
+                and int(length) >= _DIRECT_BODY_BYTES and request.method != "CONNECT" \
+                and "Upgrade" not in request.headers:  # (after an upgrade the parser decides)
+            self._body_length = int(length)
         if self._serving is None:
             self._serve(request)
         else:

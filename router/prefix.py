@@ -71,15 +71,12 @@ def render_message(m: Mapping[str, Any]) -> bytes:
     return b"".join((role, b"\x1e", _content_bytes(m.get("content")), calls, b"\x1d"))
 
 
-_is_dict = dict.__instancecheck__  # isinstance(x, dict), callable without a Python frame
-
-
 def chat_parts(body: Mapping[str, Any]) -> list[Any]:
     """What a chat prompt is rendered from, one entry per `render_part`: the tools (if any),
-    then every message."""
+    then every entry of "messages" (one that is not a message object renders as nothing)."""
     messages = body.get("messages") or ()
-    # one C-level pass that checks and copies (a Python-level loop would cost ~10x per message)
-    parts: list[Any] = list(filter(_is_dict, messages)) if isinstance(messages, list) else []
+    # a copy in one C pass: no per-message check (that costs a call per message, ~10x more)
+    parts: list[Any] = list(messages) if isinstance(messages, list) else []
     if body.get("tools"):
         parts.insert(0, _Tools(body["tools"]))
     return parts
@@ -100,7 +97,9 @@ class _Tools:
 
 
 def render_part(part: Any) -> bytes:
-    return render_tools(part.tools) if isinstance(part, _Tools) else render_message(part)
+    if isinstance(part, _Tools):
+        return render_tools(part.tools)
+    return render_message(part) if isinstance(part, dict) else b""  # not a message: nothing
 
 
 def plain_part(part: Any) -> bool:

@@ -79,11 +79,14 @@ class _ChatChain:
         return self.length + _BYTES_PER_PART * len(self.parts) + _BYTES_PER_HASH * len(self.hashes)
 
     def prefix_of(self, parts: list[Any], render: "Callable[[int], bytes]") -> bool:
-        """Whether `parts` start with this prompt's parts, rendering as they would."""
-        count = len(self.parts)
-        if count > len(parts) or parts[:count] != self.parts:
+        """Whether `parts` start with this prompt's parts, rendering as they would. A part that
+        is the stored object itself (a body parsed from a stored prefix shares its messages,
+        never changed in place) is not rendered again."""
+        mine = self.parts
+        count = len(mine)
+        if count > len(parts) or parts[:count] != mine:
             return False
-        return all(render(i) == old for i, old in self.rendered.items())
+        return all(parts[i] is mine[i] or render(i) == old for i, old in self.rendered.items())
 
 
 def _chat_key(ns: bytes, block_chars: int, count: int, last: bytes) -> _EndKey:

@@ -2,7 +2,9 @@
 (`BodyPrefixes`) and summarized with stored hash chains (`PrefixChains`) gives the same summary
 and prompt size as parsing the body whole and hashing its whole prompt, turn after turn, on
 random conversations (tool calls, tools, image parts, non-ASCII text, non-object messages) whose
-bodies are sometimes edited before their end instead of extended."""
+bodies are sometimes edited before their end or truncated instead of extended, sent with their own
+session key, another's or none; the shadow index fed those summaries holds what it holds when fed
+the whole computation's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvrouter.router.body_prefixes import BodyPrefixes
 from kvrouter.router.config import RoutingConfig
-from kvrouter.router.prefix import chat_parts
+from kvrouter.router.kv_index_shadow import ShadowKVIndex
+from kvrouter.router.prefix import chat_parts, prompt_bytes, render_part
 from kvrouter.router.prefix_chain import PrefixChains
 from kvrouter.router.summary import summarize
 
@@ -57,18 +60,32 @@ def _turns(rng: Any) -> tuple[BodyPrefixes, PrefixChains]:
     conversations: list[list[Any]] = [[{"role": "system", "content": "système " * rng.randint(50, 900)}]
                                       for _ in range(2)]
     extra = rng.choice([{}, {"tools": [{"type": "function", "function": {"name": "read"}}]}])
+    # the shadow index fed the fast summaries, and one fed the whole computation's
+    shadows = (ShadowKVIndex(), ShadowKVIndex())
     for _ in range(rng.randint(3, 12)):
         which = rng.randrange(len(conversations))
-        if rng.random() < 0.15:
+        change = rng.random()
+        if change < 0.15:
             conversations[which] = _edit(rng, conversations[which])
+        elif change < 0.25:  # truncated: a client that drops its latest turns
+            conversations[which] = conversations[which][:rng.randint(1, len(conversations[which]))]
         conversations[which] += [_message(rng) for _ in range(rng.randint(1, 3))]
         body = orjson.dumps({"model": "m", "messages": conversations[which], "stream": True, **extra})
-        headers = rng.choice([{}, {"x-session-id": f"s{which}"}])
+        # a session key is usually the conversation's own, sometimes another's (a switch)
+        session = which if rng.random() < 0.8 else rng.randrange(len(conversations))
+        headers = rng.choice([{}, {"x-session-id": f"s{session}"}])
         fast = store.loads(body, headers.get("x-session-id"))
         whole = orjson.loads(body)
         assert fast == whole
         assert chat_parts(fast) == chat_parts(whole)
-        assert summarize(CHAT, fast, headers, config, chains=chains) == summarize(CHAT, whole, headers, config)
+        summary = summarize(CHAT, fast, headers, config, chains=chains)
+        computed = summarize(CHAT, whole, headers, config)
+        assert summary == computed
+        blocks = summary[0].prefix_blocks, computed[0].prefix_blocks
+        assert shadows[0].match(blocks[0]) == shadows[1].match(blocks[1])
+        for shadow, chain in zip(shadows, blocks):
+            shadow.record("r", chain)
+        assert set(shadows[0].held_blocks("r")) == set(shadows[1].held_blocks("r"))
     return store, chains
 
 
@@ -84,9 +101,12 @@ def test_the_random_turns_take_the_fast_paths() -> None:
     assert sum(h for h, _ in hits) > 20 and sum(h for _, h in hits) > 20, hits
 
 
-def test_chat_parts_keeps_the_message_objects_and_drops_what_is_not_one() -> None:
+def test_chat_parts_keeps_the_message_objects_and_renders_what_is_not_one_as_nothing() -> None:
     messages: list[Any] = [{"role": "user", "content": "a"}, 3, "s", None, [1], {"role": "tool"}]
-    parts = chat_parts({"messages": messages, "tools": [{"type": "function"}]})
-    assert len(parts) == 3 and parts[1] is messages[0] and parts[2] is messages[5]
+    body = {"messages": messages, "tools": [{"type": "function"}]}
+    parts = chat_parts(body)
+    assert len(parts) == 7 and parts[1] is messages[0] and parts[6] is messages[5]
+    assert [render_part(part) for part in parts[2:6]] == [b""] * 4
+    assert b"".join(render_part(part) for part in parts) == prompt_bytes(CHAT, body)
     assert chat_parts({"messages": "not a list"}) == [] and chat_parts({}) == []
     assert chat_parts({"messages": messages})[0] is messages[0]

@@ -356,3 +356,13 @@ def test_two_turns_extending_one_prefix_each_parse_as_a_whole_parse() -> None:
     for body in (fork_a, fork_b, fork_a, fork_b, second):
         for session in ("s", "t", None):
             same(store, body, session)
+
+
+@given(st.binary(max_size=600), st.integers(0, 700), st.integers(0, 700))
+def test_the_parsed_memory_estimate_counts_each_mark_of_the_range(data: bytes, start: int, end: int) -> None:
+    from kvrouter.router.body_prefixes import _parsed_size
+
+    start, end = min(start, len(data)), min(max(start, end), len(data))
+    piece = data[start:end]
+    assert _parsed_size(data, start, end) == len(piece) + 100 * piece.count(b"{") \
+        + 56 * piece.count(b"[") + 32 * piece.count(b",") + 20 * piece.count(b'"')

@@ -3,6 +3,7 @@ cost when a prompt extends a recent one."""
 
 from __future__ import annotations
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -316,3 +317,38 @@ def test_a_rewritten_last_message_always_hashes_as_the_whole_prompt(
                     tools=new.get("tools"))
     data = prompt_bytes_and_boundaries(CHAT, again)[0]
     assert chains.chat_block_hashes(again, b"ns", block, "s") == (text_block_hashes(data, b"ns", block), len(data))
+
+
+def test_a_turn_sharing_the_stored_tool_call_messages_renders_none_of_them_again(monkeypatch):
+    """Messages whose JSON key order could differ are compared rendered, unless the new body
+    holds the very objects stored (as a body parsed from a stored prefix does)."""
+    from kvrouter.router import prefix_chain
+
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    calls = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{n}", "type": "function", "function": {"name": "read", "arguments": f"{{\"n\": {n}}}"}}]}
+        for n in range(40)]
+    first = {"model": "m", "messages": [{"role": "system", "content": "sys " * 200}, *calls]}
+    rendered = []
+    render = prefix_chain.render_part
+    monkeypatch.setattr(prefix_chain, "render_part", lambda part: (rendered.append(part), render(part))[1])
+    for session in ("s", None):
+        chains.chat_block_hashes(first, b"ns", BLOCK, session)
+        rendered.clear()
+        body = {"model": "m", "messages": [*first["messages"], {"role": "user", "content": "next " * 30}]}
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, session)[0] == full(body)
+        assert len(rendered) <= 3, len(rendered)  # the new message and where the stored one ends
+        # an equal copy (a body parsed whole) is still compared rendered, and still matches
+        copy = orjson.loads(orjson.dumps(first))
+        rendered.clear()
+        assert chains.chat_block_hashes(copy, b"ns", BLOCK, session)[0] == full(copy)
+        assert len(rendered) >= len(calls)
+
+
+def test_a_message_that_is_not_an_object_counts_as_a_part_that_renders_nothing():
+    chains = PrefixChains(max_bytes=1 << 20, min_bytes=0)
+    messages = [{"role": "user", "content": "a " * 100}, 7, "text", None, {"role": "tool", "content": "b " * 50}]
+    for end in range(1, len(messages) + 1):
+        body = {"model": "m", "messages": messages[:end] + [["x"]] * (end % 2)}
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, "s")[0] == full(body)
+    assert chains.hits

@@ -82,3 +82,42 @@ async def test_a_body_short_of_its_content_length_is_a_json_408(router):
     status, body = await _answer(reader)
     assert status.startswith(b"HTTP/1.1 408") and body["error"]
     assert not up.requests
+
+
+def _large_chat(tag: str, size: int) -> bytes:
+    return orjson.dumps({"model": "fake-model", "messages": [
+        {"role": "user", "content": f"{tag} " + "é long text " * (size // 13)}]})
+
+
+async def test_large_bodies_in_pieces_with_the_next_request_behind_reach_the_replica_whole(
+        router, monkeypatch):
+    """A large Content-Length body is taken from the reads past the HTTP parser: it still
+    arrives byte for byte, split anywhere, and what follows it (the next request, pipelined in
+    the same write) is parsed as a request."""
+    import httptools
+
+    from kvrouter.router import data_connection
+
+    fed = []
+
+    class CountingParser(httptools.HttpRequestParser):
+        def feed_data(self, data: bytes) -> None:
+            fed.append(len(data))
+            super().feed_data(data)
+
+    monkeypatch.setattr(data_connection.httptools, "HttpRequestParser", CountingParser)
+    up, _, connected = router
+    port = connected.get_extra_info("peername")[1]  # a new connection gets the patched parser
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    first, second = _large_chat("first", 300_000), _large_chat("second", 200_000)
+    requests = b"".join(HEAD + b"Content-Length: %d\r\n\r\n" % len(b) + b for b in (first, second, CHAT))
+    for at in range(0, len(requests), 70_001):  # pieces that split heads and bodies anywhere
+        writer.write(requests[at:at + 70_001])
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    for _ in range(3):
+        status, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    writer.close()
+    assert [r["raw"] for r in up.requests[-3:]] == [first, second, CHAT]
+    assert sum(fed) < len(requests) - 300_000  # most of the large bodies never went through it
