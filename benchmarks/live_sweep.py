@@ -14,6 +14,11 @@ caches flushed, the contender started, the same trace sessions replayed through 
   request plus room for its output, then converted to the replica's tokens at the point's ratio
   (trace text is 4 bytes per trace token; a replica at ``X`` chars per token counts ``4 / X`` times
   as many tokens), so "room for two sessions" means the same at every ratio.
+- Sessions: ``--traces`` (default set 1, ``benchmarks/traces``), or ``--session-sets 1,2,3``: every
+  point replayed once per disjoint set of real sessions (:mod:`session_sets`), each set with its own
+  capacities and reuse bound, written to ``OUT/set-N/`` as a single run is, with the mean and range
+  per contender over the sets in ``OUT/report.md`` and ``OUT/summary.json``. ``--points`` runs a
+  list of points instead of the whole grid.
 - Contenders: kvrouter policies (``--policies``) and external routers (``--external
   'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
   ``{worker_url_flags}``, ``{python}``, ``{free_port}``).

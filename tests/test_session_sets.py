@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -161,3 +162,22 @@ def test_session_sets_option_names_existing_sets_only() -> None:
     for bad in ("9", "2,2", "0"):
         with pytest.raises(SystemExit):
             sweep.parse_args(["--session-sets", bad])
+
+
+def test_saved_runs_combine_into_one_summary(tmp_path: Path) -> None:
+    """`--combine` judges saved runs (e.g. set 1's docs/live-sweep run with a --session-sets run)
+    over the points they share."""
+    saved = ROOT / "docs" / "live-sweep"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "live_sweep_report.py"), "--combine", str(tmp_path),
+         str(saved / "results.json"), str(saved / "time-scale-4" / "results.json")],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["dir"] for s in summary["sets"]] == ["docs/live-sweep", "docs/live-sweep/time-scale-4"]
+    [point] = summary["points"]  # the one point the time-scale-4 run has
+    assert (point["kind"], point["capacity_sessions"], point["chars_per_token"]) == ("sim", 4.0, 4.0)
+    assert point["results"]["coding-agent"]["sets"] == 2 and len(point["verdict_per_set"]) == 2
+    assert "| 1 | `docs/live-sweep` |" in (tmp_path / "report.md").read_text()
+    assert summary["combined"] and "wall_s" not in summary
+    assert "--combine" in summary["command"] and not summary["command"].split()[1].startswith("/")
