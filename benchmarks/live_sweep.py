@@ -14,6 +14,11 @@ caches flushed, the contender started, the same trace sessions replayed through 
   request plus room for its output, then converted to the replica's tokens at the point's ratio
   (trace text is 4 bytes per trace token; a replica at ``X`` chars per token counts ``4 / X`` times
   as many tokens), so "room for two sessions" means the same at every ratio.
+- Sessions: ``--traces`` (default set 1, ``benchmarks/traces``), or ``--session-sets 1,2,3``: every
+  point replayed once per disjoint set of real sessions (:mod:`session_sets`), each set with its own
+  capacities and reuse bound, written to ``OUT/set-N/`` as a single run is, with the mean and range
+  per contender over the sets in ``OUT/report.md`` and ``OUT/summary.json``. ``--points`` runs a
+  list of points instead of the whole grid.
 - Contenders: kvrouter policies (``--policies``) and external routers (``--external
   'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
   ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
@@ -45,8 +50,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from live_sweep_report import write_outputs  # noqa: E402
+from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import portable_command  # noqa: E402
+from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
 from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external  # noqa: E402
@@ -79,10 +85,28 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _points(text: str) -> list[Point]:
+    out = []
+    for item in (x for x in text.split(",") if x.strip()):
+        kind, capacity, cpt = item.split(":")
+        if kind not in ("sim", "mini"):
+            raise argparse.ArgumentTypeError(f"{item}: the kind is sim or mini")
+        out.append(Point(kind, float(capacity), float(cpt)))
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Live sweep of routers over replayed Claude Code sessions")
     p.add_argument("--traces", nargs="+", default=[str(ROOT / "benchmarks" / "traces")],
                    help="kv-cache-tester trace files or folders (default benchmarks/traces)")
+    p.add_argument("--session-sets", type=_ints, default=None, metavar="N,N,...",
+                   help="replay every point once per session set instead of --traces (1 is benchmarks/traces, "
+                   "N benchmarks/traces/setN; see benchmarks/session_sets.py): each set its own replay, "
+                   "capacities and reuse bound, in OUT/set-N/, the mean and range over sets in OUT/report.md")
     p.add_argument("--max-requests", type=int, default=12, help="first requests replayed per session")
     p.add_argument("--limit", type=int, help="top-level sessions replayed at most")
     p.add_argument("--stagger", type=float, default=5.0, help="model seconds between session starts")
@@ -94,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacities", type=_floats, default=[4.0, 2.5, 1.0],
                    help="KV per replica, in median sessions (at least the largest request)")
     p.add_argument("--chars-per-token", type=_floats, default=[1.5, 4.0, 8.0])
+    p.add_argument("--points", type=_points, default=None, metavar="KIND:CAPACITY:CPT,...",
+                   help="run exactly these points (e.g. sim:2.5:4,mini:1:4) instead of the grid of "
+                   "--kinds x --capacities x --chars-per-token")
     p.add_argument("--profile", default="kimi-k2.6-b200-tp4", help="sim replica profile")
     p.add_argument("--policies", default="coding-agent,prefix_aware,consistent_hash",
                    help="kvrouter policies (the first is the one judged)")
@@ -109,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.kinds) <= {"sim", "mini"}:
         p.error("--kinds: sim and/or mini")
     args.policies = [x for x in args.policies.split(",") if x]
+    if args.session_sets is not None:
+        if not args.session_sets or len(set(args.session_sets)) != len(args.session_sets):
+            p.error("--session-sets: distinct set numbers, e.g. 1,2,3")
+        missing = [n for n in args.session_sets if n < 1 or not set_dir(n).is_dir()]
+        if missing:
+            p.error(f"--session-sets: no such set: {', '.join(map(str, missing))}")
     try:
         args.externals = [parse_external(e) for e in args.external]
     except ValueError as exc:
@@ -259,7 +292,9 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
 async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
                 group: ProcessGroup, tmp: Path) -> list[dict[str, Any]]:
     contenders = [Contender(name=p, policy=p) for p in args.policies] + args.externals
-    points = [Point(k, cap, cpt) for k in args.kinds for cap in args.capacities for cpt in args.chars_per_token]
+    points = args.points or [
+        Point(k, cap, cpt) for k in args.kinds for cap in args.capacities for cpt in args.chars_per_token
+    ]
     out = []
     async with aiohttp.ClientSession() as http:
         for n, point in enumerate(points, 1):
@@ -280,12 +315,14 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def sweep_traces(args: argparse.Namespace, traces: list[str]) -> dict[str, Any]:
+    """Every point replayed on the sessions of `traces`: the data of one results.json (verdicts
+    and the command are added by the caller)."""
+    args = argparse.Namespace(**{**vars(args), "traces": traces})
     t0 = time.monotonic()
     arrivals = load_trace(args)
     if not arrivals:
-        raise SystemExit("no sessions in the given traces")
+        raise SystemExit(f"no sessions in {', '.join(traces)}")
     sizes = session_sizes(arrivals)
     bound = reuse_bound(arrivals, TRACE_PAGE_TOKENS)
     render_prompts(arrivals)
@@ -295,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             points = asyncio.run(sweep(args, arrivals, sizes, group, Path(tmpdir)))
         finally:
             group.close()
-    data = {
+    return {
         "schema": 1,
-        "command": portable_command(["python", *sys.argv] if argv is None else ["python", "benchmarks/live_sweep.py", *argv]),
+        "command": "",
         "wall_s": round(time.monotonic() - t0, 1),
         "judged": args.policies[0],
         "peers": [c.name for c in args.externals],
@@ -305,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "replicas": args.replicas,
         "time_scale": args.time_scale,
         "trace": {
-            "files": sorted({Path(t).name for t in args.traces}),
+            "files": sorted({Path(t).name for t in traces}),
             "max_requests_per_session": args.max_requests,
             "stagger_s": args.stagger,
             "max_think_s": args.max_think,
@@ -316,11 +353,36 @@ def main(argv: list[str] | None = None) -> int:
         },
         "points": points,
     }
-    out_dir = Path(args.out_dir)
+
+
+def _save(data: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_outputs(data, out_dir)
     (out_dir / "results.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
-    print(f"live sweep done in {data['wall_s']:.0f} s: {out_dir}/report.md", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = portable_command(["python", *sys.argv] if argv is None else ["python", "benchmarks/live_sweep.py", *argv])
+    out_dir = Path(args.out_dir)
+    if args.session_sets is None:
+        data = sweep_traces(args, args.traces)
+        data["command"] = command
+        _save(data, out_dir)
+        print(f"live sweep done in {data['wall_s']:.0f} s: {out_dir}/report.md", file=sys.stderr)
+        return 0
+    t0 = time.monotonic()
+    sets = []
+    for number in args.session_sets:
+        print(f"session set {number}", file=sys.stderr, flush=True)
+        data = sweep_traces(args, [str(set_dir(number))])
+        data["command"] = command
+        data["session_set"] = number
+        _save(data, out_dir / f"set-{number}")
+        sets.append(data)
+    write_sets_outputs(sets, out_dir, command, round(time.monotonic() - t0, 1))
+    print(f"live sweep of {len(sets)} session sets done in {time.monotonic() - t0:.0f} s: {out_dir}/report.md",
+          file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,7 @@ One session per file, 64-token blocks, ids local to the file:
 
 from __future__ import annotations
 
+import gzip
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import orjson
 from .trace_session import Arrivals, PathLike, TraceSession, TraceStep
 from .turn_request import Segment
 
-__all__ = ["CC_BLOCK_SIZE", "CC_SYSTEM_NAMESPACE", "claude_code_arrivals"]
+__all__ = ["CC_BLOCK_SIZE", "CC_SYSTEM_NAMESPACE", "claude_code_arrivals", "read_trace_file", "trace_file_stem"]
 
 CC_BLOCK_SIZE = 64
 CC_SYSTEM_NAMESPACE = "cc-system"
@@ -171,13 +172,25 @@ def _expand(paths: PathLike | Iterable[PathLike]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, items):
         if p.is_dir():
-            found = sorted(p.glob("trace_*.json"))
+            found = sorted([*p.glob("trace_*.json"), *p.glob("trace_*.json.gz")], key=lambda f: f.name)
             if not found:
-                raise FileNotFoundError(f"{p}: no trace_*.json files")
+                raise FileNotFoundError(f"{p}: no trace_*.json or trace_*.json.gz files")
             out.extend(found)
         else:
             out.append(p)
     return out
+
+
+def read_trace_file(path: Path) -> Any:
+    """The JSON of one trace file, gunzipped first when its name ends in ``.gz``."""
+    raw = path.read_bytes()
+    return orjson.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+
+
+def trace_file_stem(path: Path) -> str:
+    """``trace_0001`` for ``trace_0001.json`` and for ``trace_0001.json.gz``."""
+    name = path.name.removesuffix(".gz")
+    return name.removesuffix(".json")
 
 
 def claude_code_arrivals(
@@ -189,7 +202,8 @@ def claude_code_arrivals(
     max_requests: int | None = None,
     max_context_tokens: int | None = None,
 ) -> Arrivals:
-    """Sessions of kv-cache-tester files (or directories of ``trace_*.json``), sorted by start.
+    """Sessions of kv-cache-tester files (or directories of ``trace_*.json`` and
+    ``trace_*.json.gz``; a ``.gz`` file is read gunzipped), sorted by start.
 
     Top-level session ``k`` (files in the given order, all files once per copy; at most ``limit``
     of them) starts at ``k * stagger_s``; its sub-agents start at that + their ``t``. The ``n``-th
@@ -212,10 +226,10 @@ def claude_code_arrivals(
     for k, (_, p) in enumerate(units):
         data = loaded.get(p)
         if data is None:
-            data = loaded[p] = orjson.loads(p.read_bytes())
+            data = loaded[p] = read_trace_file(p)
             if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
                 raise ValueError(f"{p}: not a kv-cache-tester trace (no 'requests' list)")
-        base = str(data.get("id") or p.stem)
+        base = str(data.get("id") or trace_file_stem(p))
         n = uses[base]
         uses[base] += 1
         trace_id = f"{base}#{n}" if n else base  # a repeat (copy, or a file given twice): another user

@@ -60,7 +60,8 @@ def trace_sessions(path: PathLike, **kw: Any) -> Arrivals:
     """Arrivals of any supported trace, by format: a ``.jsonl`` of ``timestamp`` + ``hash_ids``
     lines (Mooncake, see :func:`mooncake_arrivals`), a router decision log (any file whose
     first line names its format, see :func:`decision_log_arrivals`), a ``.json`` with
-    ``requests`` (kv-cache-tester, see :func:`claude_code_arrivals`), a directory (its ``trace_*.json``), or a bundled sample name
+    ``requests`` (kv-cache-tester, see :func:`claude_code_arrivals`; also gzipped, ``.json.gz``), a directory (its
+    ``trace_*.json`` and ``trace_*.json.gz``), or a bundled sample name
     (:func:`bundled_traces`). ``kw`` goes to the format's function."""
     p = Path(path)
     if not p.exists() and str(path) in bundled_traces():
@@ -82,8 +83,8 @@ def trace_sessions(path: PathLike, **kw: Any) -> Arrivals:
             return mooncake_arrivals(p, **kw)
         raise ValueError(f"{p}: unknown .jsonl trace format (want Mooncake lines with timestamp, "
                          "hash_ids, or a kvrouter decision log)")
-    if p.suffix == ".json":
+    if p.suffix == ".json" or p.name.endswith(".json.gz"):
         return claude_code_arrivals([p], **kw)
     raise ValueError(
-        f"{p}: unknown trace format (want .jsonl Mooncake, .json kv-cache-tester, or a directory)"
+        f"{p}: unknown trace format (want .jsonl Mooncake, .json or .json.gz kv-cache-tester, or a directory)"
     )
