@@ -31,11 +31,14 @@ The rules, in order (each decision's `reason` names the rule that made it):
               While a fresh replica (one seen for the first time) is under its high-water marks
               and below `fresh_until_mean_ratio` x the fleet's mean load, new sessions go to
               fresh replicas only. empty_replica: where the cheapest replica is already home
-              to `empty_replica_min_homed` sessions, a replica no session calls home takes the
-              new (keyed) session if it costs at most `empty_replica_max_extra_s` more: what
-              the cheapest saves is mostly a prefix every session shares (the system prompt),
-              saved once, while the sessions stacked there would queue behind each other's
-              prefills on every later turn and evict each other.
+              to `empty_replica_min_homed` sessions (one), a replica no session calls home
+              takes the new (keyed) session if it costs at most `empty_replica_max_extra_s`
+              more: what the cheapest saves is mostly a prefix every session shares (the system
+              prompt), saved once, while the sessions stacked there would queue behind each
+              other's prefills on every later turn and evict each other. A fleet's first
+              sessions are placed knowing nothing of how far they grow, and by the time later
+              ones arrive they are the oldest, usually the longest: paired, they share a
+              replica's KV and queue while other replicas sit empty.
 5. fallback   Every candidate is over its high-water marks: the cheapest one still takes it.
 
 Rules 2-5 choose with one pipeline of small steps (policies/steps.py):
@@ -70,7 +73,7 @@ class CodingAgentParams(BaseModel):
     home_lost_fraction: float = Field(0.5, ge=0, le=1.0, description="A home caching less than this share of the prompt has lost the session's KV: the session is placed again by cost (0 turns it off).")
     fresh_until_mean_ratio: float = Field(1.0, gt=0, description="Fresh replicas get new sessions until load >= ratio x mean.")
     empty_replica_max_extra_s: float = Field(1.0, ge=0, description="A replica no session calls home takes a new session if it costs at most this many seconds more than the cheapest, when that one is already home to empty_replica_min_homed sessions (0 turns it off).")
-    empty_replica_min_homed: int = Field(2, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
+    empty_replica_min_homed: int = Field(1, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
     lost_home_moves_with_shed: bool = Field(True, description="A session whose home is over a high-water mark and has lost its prefix is placed as rehome_evicted places it (the home moves with the request), not shed as overflow with the home kept.")
     rehome_needs_kv_room: bool = Field(True, description="A session whose home lost its prefix moves only to a replica holding its prefix or whose token_usage plus this prompt stays under replica_max_token_usage (on a DP-attention replica: some rank's); none: it stays home (stay_no_room).")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
@@ -248,7 +251,10 @@ class CodingAgent:
         already home to `empty_replica_min_homed` sessions and the empty one costs at most
         `empty_replica_max_extra_s` more (None: ordinary placement). Mostly a fleet's first
         sessions: the replica holding the shared system prompt would otherwise collect them
-        all (live, at 1.5 characters per token, the first four of four)."""
+        all (live, at 1.5 characters per token, the first four of four), or pair them (with
+        `empty_replica_min_homed` 2, live where the shared prefix is large against the KV: the
+        replay's first four sessions in two pairs, three of them its four longest, sharing two
+        replicas' KV and queues while two replicas sat empty)."""
         p = self.params
         empty = [r for r in usable if r.homed_sessions == 0]
         if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):

@@ -251,9 +251,20 @@ def test_new_session_takes_a_replica_no_session_calls_home_over_a_shared_system_
     off = CodingAgent(CodingAgentParams(empty_replica_max_extra_s=0))
     d = off.decide(Snapshot(tuple(reps), SessionView("s1")), request, random.Random(0))
     assert (d.replica, d.reason) == ("a", "new_session")
-    # one session there is not a stack yet: the cost decides
-    reps[0] = ReplicaView("a", homed_sessions=1, homed_tokens=60_000, max_total_num_tokens=577_000)
-    d = decide(reps, request, SessionView("s1"))
+
+
+def test_a_fleets_second_session_takes_an_empty_replica_not_the_first_sessions_one():
+    # The fleet's first session lives on "a", which holds the system prompt; "b" and "c" home
+    # none. Paired on "a" to save that prefix once, the first sessions (by the time later ones
+    # arrive, the longest) would share a replica's KV and queue while two replicas sat idle.
+    reps = [ReplicaView("a", homed_sessions=1, homed_tokens=60_000, max_total_num_tokens=577_000),
+            ReplicaView("b", max_total_num_tokens=577_000), ReplicaView("c", max_total_num_tokens=577_000)]
+    d = decide(reps, req(prompt=57_000, cached={"a": 38_000}), SessionView("s1"))
+    assert d.reason == "empty_replica" and d.replica in ("b", "c") and d.home == d.replica
+    # With no replica left empty, the cost decides as before.
+    full = [ReplicaView(r.id, homed_sessions=1, homed_tokens=60_000, max_total_num_tokens=577_000)
+            for r in reps]
+    d = decide(full, req(prompt=57_000, cached={"a": 38_000}), SessionView("s1"))
     assert (d.replica, d.reason) == ("a", "new_session")
 
 
