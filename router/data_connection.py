@@ -64,7 +64,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._url = b""
-        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._raw_headers: list[bytes] = []  # name, value, name, value, ...
         self._header_bytes = 0
         self._in_head = False  # the parser is inside a request's head
         self._heads = 0  # heads begun: one that began in a chunk is not charged that chunk
@@ -193,9 +193,10 @@ class Connection(asyncio.Protocol):
         if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
             raise _Malformed(431, "request headers too large")
         raw = self._raw_headers
-        if len(raw) >= _MAX_HEADER_COUNT:
+        if len(raw) >= 2 * _MAX_HEADER_COUNT:
             raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
-        raw.append((name, value))  # decoded, and checked for repeats, once all have come
+        raw.append(name)  # names and values in one flat list: decoded, and checked for
+        raw.append(value)  # repeats, once all have come
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -213,28 +214,40 @@ class Connection(asyncio.Protocol):
         raw_path = raw_path_qs.partition("?")[0]
         path = unquote(raw_path) if "%" in raw_path else raw_path
         version = (1, 1) if parser.get_http_version() == "1.1" else (1, 0)
-        headers = CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers])
-        # The single-valued fields present, found by a (C, case-insensitive) key-view
-        # intersection: only those few are counted.
-        for name in headers.keys() & _SINGLETONS:
-            if len(headers.getall(name)) > 1:  # which one counts is ambiguous: refused
-                raise _Malformed(400, f"duplicate {name} header")
+        raw_headers = self._raw_headers
+        # Names and values decoded in one go, split at the line feeds none of them holds (a
+        # value folded over lines does: then each is decoded on its own).
+        texts = b"\n".join(raw_headers).decode("latin-1").split("\n")
+        if len(texts) != len(raw_headers):
+            texts = [field.decode("latin-1") for field in raw_headers]
+        pairs = iter(texts)
+        headers = CIMultiDict(list(zip(pairs, pairs)))
+        lowered = set(map(str.lower, texts[::2]))  # the names present (token characters: ASCII)
+        if len(lowered) != len(headers):  # a field repeated: refused if it must be single
+            for name in _SINGLETONS.intersection(lowered):
+                if len(headers.getall(name)) > 1:  # which value counts is ambiguous
+                    raise _Malformed(400, f"duplicate {name} header")
         request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
-                          CIMultiDictProxy(headers), version, parser.should_keep_alive())
+                          CIMultiDictProxy(headers), version, parser.should_keep_alive(),
+                          headers.get("Expect") if "expect" in lowered else None)
         self._parsing = request
-        coding = request.headers.get("Transfer-Encoding")
-        if coding is not None and coding.rpartition(",")[2].strip().lower() != "chunked":
-            # No way to know where such a body ends (RFC 9112 section 6.3): refused, not read
-            # to the connection's close.
-            raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
-        length = request.headers.get("Content-Length")
-        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
-            request._too_large = True
+        coding = None
+        if "transfer-encoding" in lowered:
+            coding = headers["Transfer-Encoding"]
+            if coding.rpartition(",")[2].strip().lower() != "chunked":
+                # No way to know where such a body ends (RFC 9112 section 6.3): refused, not
+                # read to the connection's close.
+                raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
         self._body_length = None
-        if coding is None and length is not None and length.isdigit() \
-                and int(length) >= _DIRECT_BODY_BYTES and request.method != "CONNECT" \
-                and "Upgrade" not in request.headers:  # (after an upgrade the parser decides)
-            self._body_length = int(length)
+        if "content-length" in lowered:
+            length = headers["Content-Length"]
+            if length.isdigit():
+                size = int(length)
+                if size > self.server.max_body_bytes:
+                    request._too_large = True
+                elif coding is None and size >= _DIRECT_BODY_BYTES and request.method != "CONNECT" \
+                        and "upgrade" not in lowered:  # (after an upgrade the parser decides)
+                    self._body_length = size
         if self._serving is None:
             self._serve(request)
         else:
@@ -290,7 +303,10 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         try:
-            response = await self.server.dispatch(request)
+            server = self.server  # (`DataServer.dispatch`, without a coroutine of its own)
+            method = request.method
+            chain = server._chains.get((request.path, "GET" if method == "HEAD" else method))
+            response = await (chain or server._unrouted)(request)
         except asyncio.CancelledError:
             if self.closing:
                 return  # the client went away

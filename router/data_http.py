@@ -36,30 +36,22 @@ class WholeResponse:
         self.keep_alive: bool | None = None
 
 
-class _RelURL:
-    """The request target as the client encoded it (what the relay forwards)."""
-
-    __slots__ = ("raw_path_qs",)
-
-    def __init__(self, raw_path_qs: str) -> None:
-        self.raw_path_qs = raw_path_qs
-
-
 class Request:
     """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
 
-    __slots__ = ("method", "path", "rel_url", "headers", "version", "keep_alive", "_conn",
+    __slots__ = ("method", "path", "raw_path_qs", "headers", "version", "keep_alive", "_conn",
                  "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
 
     def __init__(self, conn: Connection, method: str, path: str, raw_path_qs: str,
-                 headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool) -> None:
+                 headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool,
+                 expect: str | None) -> None:
         self.method = method
         self.path = path
-        self.rel_url = _RelURL(raw_path_qs)
+        self.raw_path_qs = raw_path_qs  # the target as the client encoded it (what the relay forwards)
         self.headers = headers
         self.version = version
         self.keep_alive = keep_alive
-        self.expect = headers.get("Expect")
+        self.expect = expect  # the Expect header's value
         self._conn = conn
         self._chunks: list[bytes] = []
         self._size = 0
@@ -67,6 +59,10 @@ class Request:
         self._too_large = False
         self._malformed: str | None = None  # why the body could not be parsed
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def rel_url(self) -> Request:  # `request.rel_url.raw_path_qs`, as on an aiohttp request
+        return self
 
     @property
     def transport(self) -> asyncio.Transport | None:

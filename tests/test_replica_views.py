@@ -81,3 +81,28 @@ def test_a_request_that_ends_before_the_next_read_leaves_the_view_and_snapshot()
     registry.dispatched(A, 1)
     registry.remove(A)
     assert registry.view(A) is None and [v.id for v in registry.snapshot().replicas] == [B]
+
+
+def _slots(obj: object) -> dict[str, object]:
+    """Every field, the ones equality skips (load, cost_terms, memo) too."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+
+
+def test_views_and_snapshots_the_registry_makes_match_their_constructors_in_every_field():
+    registry = ReplicaRegistry([A])
+    registry.add(B)  # fresh
+    registry.update_signals(B, ReplicaSignals(num_running_reqs=1, num_queue_reqs=5, token_usage=0.5))
+    registry.dispatched(B, 300, 40)
+    registry.dispatched(A, 100)
+    snapshot = registry.snapshot()
+    view = registry.view(B)
+    built = ReplicaView(id=B, fresh=True, in_flight=1, in_flight_prompt_tokens=300,
+                        num_running_reqs=1, num_queue_reqs=5, token_usage=0.5, pending_prefill_tokens=40)
+    assert _slots(view) == _slots(built) and view.load == 6 and view.cost_terms is None
+    fields = _slots(snapshot)
+    memo = fields.pop("memo")
+    assert type(memo).__name__ == "FleetMemo" and memo.candidates == {} and memo.loads == {}
+    assert fields == {"replicas": (registry.view(A), view), "session": None, "by_id": snapshot.by_id,
+                      "healthy_load": 7, "healthy_count": 2, "fresh": (B,), "epoch": snapshot.epoch,
+                      "loads": (1, 6)}
+    assert registry.snapshot() is snapshot  # nothing changed since
