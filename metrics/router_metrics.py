@@ -345,6 +345,13 @@ class RouterMetrics:
         pending = self._pending_counts
         pending[key] = pending.get(key, 0.0) + amount
 
+    def pending_counts(self) -> dict[tuple[Any, tuple[str, ...]], float]:
+        """The deferred counts `count` adds to, keyed `(metric, label values)`: a path that counts
+        several series per request adds to it directly, with keys it made once
+        (`counts[key] = counts.get(key, 0.0) + amount`), saving a call and a key per count.
+        `flush` replaces the dict: fetch it for each use, never keep it."""
+        return self._pending_counts
+
     def observe(self, metric: Any, values: tuple[str, ...], amount: float) -> None:
         """`metric.labels(*values).observe(amount)` for a Histogram (`metric.observe(amount)`
         without labels), deferred."""

@@ -112,3 +112,34 @@ def test_report_summarises_agreement_and_predicted_gain(tmp_path: Path) -> None:
                           check=True, capture_output=True, text=True, timeout=60)
     assert "| prefix-aware | 2 | 100.0% |" in done.stdout
     assert json.loads(out.read_text())["shadows"]["prefix-aware"]["requests"] == 2
+
+
+def test_shadow_counts_follow_a_replaced_metrics_object_and_sum_every_prediction() -> None:
+    # The shadow metrics' count keys are made once and kept: a new RouterMetrics (a benchmark or
+    # a test swaps it) must get its own, and every decision's predictions must be summed.
+    engine = make_engine(build_policy("round-robin"), ("consistent-hash", "least-load"))
+    first = placed(engine, 4)
+    assert len(first) == 4
+    engine.metrics = fresh = RouterMetrics()
+    placements = []
+    for i in range(6):
+        p = engine.place(RequestSummary("/v1/completions", session_key=f"s{i}", prompt_tokens=100,
+                                        prefix_blocks=(i,)), None)
+        assert p is not None and p.notes is not None
+        placements.append(p)
+        p.done()
+    reg = fresh.registry
+    for name in ("consistent-hash", "least-load"):
+        agree = sum(n == name and d.replica == p.url for p in placements for n, d, _ in p.notes.shadows)
+        assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": "true"}) == (agree or None)
+        assert reg.get_sample_value("kvrouter_shadow_decisions_total",
+                                    {"shadow": name, "agrees": "false"}) == ((6 - agree) or None)
+        picks = sum(reg.get_sample_value("kvrouter_shadow_picks_total", {"shadow": name, "replica": r}) or 0
+                    for r in (A, B, C))
+        assert picks == 6
+        ttft = sum(g.ttft_s for p in placements for n, _, g in p.notes.shadows if n == name)
+        assert reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
+                                    {"policy": name, "role": "shadow"}) == pytest.approx(ttft)
+    live = sum(p.notes.chosen.ttft_s for p in placements)
+    assert reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
+                                {"policy": "round_robin", "role": "live"}) == pytest.approx(live)

@@ -1,0 +1,63 @@
+"""The fleet aggregates the registry keeps incrementally (healthy load and count, fresh replicas,
+each view's load, the id index) and hands to policies in every snapshot, so that
+`fresh_below_mean`, `mean_load` and sampling never scan the fleet: after any sequence of
+dispatches, completions, polls, homes, health changes, additions and removals they equal what a
+scan of the snapshot's views finds."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrouter.router.replicas import ReplicaRegistry
+from kvrouter.sglang_protocol.signals import ReplicaSignals
+
+URLS = [f"http://r{i}:1" for i in range(5)]
+
+signals = st.one_of(st.none(), st.builds(
+    ReplicaSignals, num_running_reqs=st.integers(0, 50), num_queue_reqs=st.one_of(st.none(), st.integers(0, 5)),
+    token_usage=st.floats(0, 1), max_total_num_tokens=st.sampled_from([None, 1000, 500_000])))
+
+url = st.sampled_from(URLS)
+ops = st.one_of(
+    st.tuples(st.just("add"), url, st.booleans()),
+    st.tuples(st.just("remove"), url),
+    st.tuples(st.just("dispatched"), url, st.integers(0, 9_000), st.integers(0, 9_000)),
+    st.tuples(st.just("completed"), url, st.integers(0, 9_000), st.integers(0, 9_000)),
+    st.tuples(st.just("prefill_answered"), url, st.integers(0, 9_000)),
+    st.tuples(st.just("update_signals"), url, signals),
+    st.tuples(st.just("set_homed"), url, st.integers(0, 4), st.integers(0, 400_000)),
+    st.tuples(st.just("set_peer_in_flight"), url, st.integers(0, 6)),
+    st.tuples(st.just("record_failure"), url),
+    st.tuples(st.just("record_success"), url),
+    st.tuples(st.just("drain"), url),
+    st.tuples(st.just("mark_settled"), url),
+)
+
+
+def check(registry: ReplicaRegistry) -> None:
+    snapshot = registry.snapshot()
+    views = snapshot.replicas
+    healthy = [v for v in views if v.healthy]
+    assert snapshot.healthy_count == len(healthy)
+    assert snapshot.healthy_load == sum(v.load for v in healthy)
+    assert sorted(snapshot.fresh) == sorted(v.id for v in views if v.fresh)
+    assert len(set(snapshot.fresh)) == len(snapshot.fresh)
+    assert snapshot.loads == tuple(v.load for v in views)
+    assert dict(snapshot.by_id) == {v.id: v for v in views}
+    mean = sum(v.load for v in healthy) / len(healthy) if healthy else 0.0
+    assert snapshot.mean_load() == mean
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(ops, max_size=40), st.booleans())
+def test_kept_aggregates_equal_a_scan_of_the_views(sequence, read_between: bool) -> None:
+    registry = ReplicaRegistry(URLS[:2], failure_threshold=2)
+    for op, target, *args in sequence:
+        if op == "add":
+            registry.add(target, fresh=args[0])
+        else:
+            getattr(registry, op)(target, *args)
+        if read_between:  # in-flight counts reach the views when read: check both orders
+            check(registry)
+    check(registry)
