@@ -45,14 +45,70 @@ MARKS = ("head_parsed", "body_complete", "summary_done", "decision_made", "upstr
 
 
 # -- inside the router's process ---------------------------------------------------------------------
+# The router functions the marks wrap, "module:Class.attribute" under kvrouter.router, found by
+# name when the router starts: a renamed one stops the run with its name (the base marks) or is
+# listed in the results as not installed (the finer marks), never silently left out.
+BASE_HOOKS = (  # (mark, target, "before" or "after" the call); the first four are wrapped by hand
+    ("head_parsed", "data_connection:Connection.on_headers_complete", "before"),
+    ("client_first_write", "data_connection:Connection.connection_made", "after"),
+    ("upstream_write", "upstream_http:_Connection.connection_made", "after"),
+    ("handler_resumed", "relay:Relay._relay", "before"),
+    ("body_complete", "data_connection:Connection.on_message_complete", "after"),
+    ("summary_done", "handlers:Handlers._summarize_now", "after"),
+    ("decision_made", "engine:RoutingEngine.place", "after"),
+    ("upstream_head", "upstream_http:_Connection.on_headers_complete", "after"),
+    ("upstream_first_chunk", "upstream_response:UpstreamResponse._feed", "before"),  # first only
+)
+DETAIL_HOOKS = (  # --detail: finer marks inside the segments
+    ("d:dispatch", "data_server:DataServer.dispatch", "before"),
+    ("d:client_data_done", "data_connection:Connection.data_received", "after"),
+    ("d:handle_inference", "handlers:Handlers.handle_inference", "before"),
+    ("d:body_parsed", "body_prefixes:BodyPrefixes.loads", "after"),
+    ("d:forward", "relay:Relay.forward", "before"),
+    ("d:route_enter", "placement:RequestRoute.__aenter__", "before"),
+    ("d:decided", "engine:RoutingEngine.decide", "after"),
+    ("d:placement_init", "placement:Placement.__init__", "before"),
+    ("d:attempts", "relay:Relay._attempts", "before"),
+    ("d:pool_send", "upstream_http:UpstreamPool.send", "before"),
+    ("d:serialized", "upstream_http:_serialize", "after"),
+    ("d:stream_response", "data_http:StreamResponse.__init__", "before"),
+    ("d:relay_body", "relay:Relay._relay_body", "before"),
+    ("d:first_byte_start", "relay:Relay._first_byte", "before"),
+    ("d:first_byte_end", "relay:Relay._first_byte", "after"),
+    ("d:stream_write", "data_http:StreamResponse.write", "before"),
+)
+
+
+def resolve(target: str) -> tuple[Any, str, Any]:
+    """(owner, attribute, its current value or None) of a "module:Class.attribute" target."""
+    import importlib
+
+    module, _, path = target.partition(":")
+    owner: Any = importlib.import_module(f"kvrouter.router.{module}")
+    *classes, attr = path.split(".")
+    for name in classes:
+        owner = getattr(owner, name, None)
+        if owner is None:
+            return None, attr, None
+    return owner, attr, getattr(owner, attr, None)
+
+
+def missing_hooks(hooks: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """The targets of `hooks` this router does not have."""
+    return [target for _, target, _ in hooks if resolve(target)[2] is None]
+
+
 def _install_marks(out_path: str, detail: bool) -> None:
     """Wrap the router's functions so that each request's marks are recorded (C=1: one request
-    at a time, so the marks of one request follow each other), written to `out_path` at exit."""
+    at a time, so the marks of one request follow each other), written to `out_path` at exit
+    with the finer marks this router has no target for."""
     import atexit
 
-    from kvrouter.router import data_connection, handlers, relay, upstream_http, upstream_response
-    from kvrouter.router.engine import RoutingEngine
+    from kvrouter.router import data_connection, relay, upstream_http
 
+    gone = missing_hooks(BASE_HOOKS)
+    if gone:
+        raise SystemExit(f"critical_path.py: the router has no {', '.join(gone)}: update BASE_HOOKS")
     now = time.perf_counter_ns
     events: list[tuple[str, int]] = []
     state = {"client_written": True, "chunk_seen": True}
@@ -60,25 +116,18 @@ def _install_marks(out_path: str, detail: bool) -> None:
     def mark(name: str) -> None:
         events.append((name, now()))
 
-    def after(cls: Any, attr: str, name: str, *, first_only: str | None = None) -> None:
-        original = getattr(cls, attr, None)
-        if original is None:  # (an older router, timed by --compare-with: not there)
-            return
+    def after(name: str, target: str) -> None:
+        cls, attr, original = resolve(target)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            if first_only is None or not state[first_only]:
-                if first_only is not None:
-                    state[first_only] = True
-                mark(name)
+            mark(name)
             return result
 
         setattr(cls, attr, wrapped)
 
-    def before(cls: Any, attr: str, name: str, *, first_only: str | None = None) -> None:
-        original = getattr(cls, attr, None)
-        if original is None:
-            return
+    def before(name: str, target: str, *, first_only: str | None = None) -> None:
+        cls, attr, original = resolve(target)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if first_only is None or not state[first_only]:
@@ -98,9 +147,6 @@ def _install_marks(out_path: str, detail: bool) -> None:
 
     conn_cls = data_connection.Connection
     conn_cls.on_headers_complete = head_parsed(conn_cls.on_headers_complete)
-    after(conn_cls, "on_message_complete", "body_complete")
-    after(handlers.Handlers, "_summarize_now", "summary_done")
-    after(RoutingEngine, "place", "decision_made")
 
     class Transport:
         """A transport whose first write of each request is marked."""
@@ -137,8 +183,6 @@ def _install_marks(out_path: str, detail: bool) -> None:
 
     wrap_transport(conn_cls, "client_first_write", "client_written")
     wrap_transport(upstream_http._Connection, "upstream_write", None)
-    after(upstream_http._Connection, "on_headers_complete", "upstream_head")
-    before(upstream_response.UpstreamResponse, "_feed", "upstream_first_chunk", first_only="chunk_seen")
     original_relay = relay.Relay._relay
 
     async def resumed(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -146,28 +190,19 @@ def _install_marks(out_path: str, detail: bool) -> None:
         return await original_relay(self, *args, **kwargs)
 
     relay.Relay._relay = resumed  # type: ignore[method-assign]
+    for name, target, when in BASE_HOOKS[4:]:
+        if when == "after":
+            after(name, target)
+        else:
+            before(name, target, first_only="chunk_seen" if name == "upstream_first_chunk" else None)
+    missing = missing_hooks(DETAIL_HOOKS) if detail else []
     if detail:  # finer marks: where each segment's time goes (each wrapper costs ~0.5 us)
-        from kvrouter.router import data_http, data_server
-        from kvrouter.router.placement import Placement, RequestRoute
-        before(data_server.DataServer, "dispatch", "d:dispatch")
-        after(conn_cls, "data_received", "d:client_data_done")
-        before(handlers.Handlers, "handle_inference", "d:handle_inference")
-        after(handlers.BodyPrefixes, "loads", "d:body_parsed")
-        before(relay.Relay, "forward", "d:forward")
-        before(RequestRoute, "__aenter__", "d:route_enter")
-        after(RoutingEngine, "decide", "d:decided")
-        before(Placement, "__init__", "d:placement_init")
-        before(relay.Relay, "_attempts", "d:attempts")
-        before(upstream_http.UpstreamPool, "send", "d:pool_send")
-        after(upstream_http, "_serialize", "d:serialized")
-        before(data_http.StreamResponse, "__init__", "d:stream_response")
-        before(relay.Relay, "_relay_body", "d:relay_body")
-        before(relay.Relay, "_first_byte", "d:first_byte_start")
-        after(relay.Relay, "_first_byte", "d:first_byte_end")
-        before(data_http.StreamResponse, "write", "d:stream_write")
+        for name, target, when in DETAIL_HOOKS:
+            if target not in missing:
+                (after if when == "after" else before)(name, target)
 
     def dump() -> None:
-        Path(out_path).write_text(json.dumps(events))
+        Path(out_path).write_text(json.dumps({"events": events, "not_installed": missing}))
 
     atexit.register(dump)
 
@@ -263,7 +298,9 @@ def main() -> int:
         with dp.process(marked, port, "kvrouter-marked"):
             ttfb = asyncio.run(_batch(f"http://127.0.0.1:{port}", args.requests + 20))
         result["marked_ttfb_ms_p50"] = statistics.median(ttfb[20:])
-        result["critical_path"] = segments(json.loads(Path(marks_path).read_text()), 20)
+        marks = json.loads(Path(marks_path).read_text())
+        result["critical_path"] = segments(marks["events"], 20)
+        result["marks_not_installed"] = marks["not_installed"]  # (--detail: not in this router)
         os.unlink(marks_path)
         if args.strace:
             if shutil.which("strace") is None:
@@ -289,6 +326,8 @@ def main() -> int:
           f"p50 {path['router_cpu_path_us_p50']:.0f} us")
     for seg, v in path["segments_us"].items():
         print(f"  {seg:50} p50 {v['p50']:8.1f} us  (n={v['n']})")
+    if result["marks_not_installed"]:
+        print("marks not installed (no such function in this router): " + ", ".join(result["marks_not_installed"]))
     for name, calls in result.get("syscalls_per_request", {}).items():
         print(f"{name}: system calls per request: total {sum(calls.values()):.1f}; " + ", ".join(
             f"{k} {v:.2f}" for k, v in calls.items() if v >= 0.05))
