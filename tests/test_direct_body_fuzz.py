@@ -14,6 +14,7 @@ import re
 from typing import Any
 from unittest import mock
 
+import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -163,3 +164,48 @@ def test_direct_bodies_serve_exactly_as_the_parser_path_at_any_split(requests, d
     old = asyncio.run(_served(wire, cuts, drop_at, direct=False))
     new = asyncio.run(_served(wire, cuts, drop_at, direct=True))
     assert new == old
+
+
+@pytest.mark.parametrize("size", [100, 2 * DIRECT], ids=["parsed-body", "direct-body"])
+async def test_a_queued_request_that_closes_is_answered_and_nothing_after_it_is_served(size: int) -> None:
+    """A request with `Connection: close`, queued behind a slow one, with the client's next
+    request already behind it: the first two are answered in order (the second with the close),
+    what follows the close is neither served nor makes the server drop the accepted second."""
+    gate = asyncio.Event()
+    served: list[str] = []
+
+    async def slow(request: Request) -> web.Response:
+        await request.read()
+        await gate.wait()
+        served.append("slow")
+        return web.Response(body=b"slow")
+
+    async def echo(request: Request) -> web.Response:
+        body = await request.read()
+        served.append(f"echo {len(body)}")
+        return web.Response(body=b"echo %d" % len(body))
+
+    server = DataServer({"/slow": {"POST": slow}, "/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    body = _body(1, size)
+    closing = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % size
+    conn.data_received(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" + closing)
+    await asyncio.sleep(0)
+    conn.data_received(body[:size // 2])
+    await asyncio.sleep(0)
+    conn.data_received(body[size // 2:] + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    gate.set()
+    for _ in range(200):
+        if transport.closed_after is not None:
+            break
+        await asyncio.sleep(0)
+    out = re.sub(rb"Date: [^\r]*\r\n", b"", b"".join(transport.written))
+    assert served == ["slow", f"echo {size}"]
+    assert out == (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nslow"
+                   b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\necho %d"
+                   % (len(b"echo %d" % size), size))
+    assert transport.closed_after == sum(map(len, transport.written))  # closed once both are out
