@@ -90,7 +90,7 @@ def _wire(spec: dict[str, Any], tag: int) -> tuple[bytes, int]:
 
 _request = st.fixed_dictionaries({
     "method": st.sampled_from(["POST", "POST", "GET", "HEAD", "PUT"]),
-    "path": st.sampled_from(["/echo", "/echo", "/early", "/missing"]),
+    "path": st.sampled_from(["/echo", "/echo", "/slow", "/early", "/missing"]),
     "size": st.one_of(st.sampled_from(_SIZES), st.integers(0, MAX_BODY + 10)),
     "framing": st.sampled_from(["length", "length", "length", "chunked", "both", "none"]),
     "connection": st.sampled_from([None, None, "close", "keep-alive"]),
@@ -102,8 +102,10 @@ _request = st.fixed_dictionaries({
 async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: bool) -> Any:
     """Feed `wire` in the reads `cuts` make (the client going away before read `drop_at`) and
     return everything observable: the requests the handlers saw, the bytes written (Date
-    fields aside), when the connection closed, what was fed while reading was paused."""
+    fields aside), when the connection closed, and at which read it stayed paused. "/slow" is
+    answered once reading pauses or all is fed, so the requests behind it queue."""
     seen: list[Any] = []
+    gate = asyncio.Event()
 
     def record(request: Request, body: bytes | None) -> None:
         seen.append((request.method, request.path, tuple(request.headers.items()), request.version,
@@ -114,11 +116,18 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
         record(request, body)
         return web.Response(body=b"%d:%s" % (len(body), body[-40:]))
 
+    async def slow(request: Request) -> web.Response:
+        body = await request.read()
+        record(request, body)
+        await gate.wait()
+        return web.Response(body=b"slow %d" % len(body))
+
     async def early(request: Request) -> web.Response:
         record(request, None)  # answered before its body is read
         return web.Response(body=b"early")
 
-    routes = {"/echo": {m: echo for m in ("GET", "POST", "PUT")}, "/early": {"POST": early, "PUT": early}}
+    routes = {"/echo": {m: echo for m in ("GET", "POST", "PUT")}, "/early": {"POST": early, "PUT": early},
+              "/slow": {"POST": slow, "GET": slow}}
     server = DataServer(routes, [errors_middleware(MAX_BODY)], [], max_body_bytes=MAX_BODY,
                         header_timeout_s=60, shutdown_grace_s=0)
     server.loop = asyncio.get_running_loop()
@@ -126,7 +135,7 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
         conn = Connection(server)
         transport = MemoryTransport(conn)
         conn.connection_made(transport)  # type: ignore[arg-type]
-        fed_paused = 0
+        stuck_at = None
         edges = [0, *cuts, len(wire)]
         for n, (start, end) in enumerate(zip(edges, edges[1:])):
             for _ in range(30):  # the handlers run between reads
@@ -136,9 +145,15 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
             if n == drop_at:
                 conn.connection_lost(ConnectionResetError())
                 break
-            if transport.paused:  # a real transport would hold these bytes back
-                fed_paused += 1
+            if transport.paused:  # a real transport holds these bytes back: the queue must drain
+                gate.set()
+                for _ in range(30):
+                    await asyncio.sleep(0)
+                if transport.paused:
+                    stuck_at = n
+                    break
             conn.data_received(wire[start:end])
+        gate.set()
         for _ in range(30):
             await asyncio.sleep(0)
         task = conn._task
@@ -146,7 +161,7 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
         if task is not None and not task.done():
             task.cancel()
     out = re.sub(rb"Date: [^\r]*\r\n", b"", b"".join(transport.written))
-    return seen, out, transport.closed_after, fed_paused, conn.closing
+    return seen, out, transport.closed_after, stuck_at, conn.closing
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
