@@ -224,3 +224,14 @@ async def test_a_queued_request_that_closes_is_answered_and_nothing_after_it_is_
                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\necho %d"
                    % (len(b"echo %d" % size), size))
     assert transport.closed_after == sum(map(len, transport.written))  # closed once both are out
+
+
+async def test_a_large_content_length_with_a_transfer_encoding_is_refused_not_read_past_the_parser() -> None:
+    """Both framings at once (a request smuggling shape): a 400 and a close, nothing dispatched,
+    however large the Content-Length."""
+    spec = {"method": "POST", "path": "/echo", "size": 2 * DIRECT, "framing": "both", "connection": None,
+            "http10": False, "expect": False}
+    wire, head = _wire(spec, 0)
+    seen, out, closed_after, _, closing = await _served(wire, [head, head + 10], None, direct=True)
+    assert not seen and closing and out.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in out
+    assert closed_after is not None
