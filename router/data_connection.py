@@ -78,6 +78,7 @@ class Connection(asyncio.Protocol):
         self._reading_paused = False
         self._body_length: int | None = None  # the Content-Length of the body being parsed
         self._direct_left = 0  # body bytes still to come past the parser (`_receive_direct`)
+        self._input_closed = False  # a request that closes the connection has come: no more are read
 
     # -- transport events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -125,11 +126,11 @@ class Connection(asyncio.Protocol):
                 self._drain = None
 
     def data_received(self, data: bytes) -> None:
-        if self.closing or self.upgraded:
+        if self.closing or self.upgraded or self._input_closed:
             return
         if self._direct_left:
             data = self._receive_direct(data)
-            if not data:
+            if not data or self._input_closed:
                 return
         in_head, heads = self._in_head, self._heads
         try:
@@ -141,6 +142,8 @@ class Connection(asyncio.Protocol):
             if self._serving is None and not self._queue:
                 self._close()
         except httptools.HttpParserError as err:
+            if self._input_closed:  # bytes after a request that closes: not read (and not an
+                return  # error that would drop the requests queued before it)
             cause = err.__context__  # what one of the callbacks below raised, if it was one
             if isinstance(cause, _Malformed):
                 self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
@@ -279,6 +282,8 @@ class Connection(asyncio.Protocol):
         if request is not None:
             self._parsing = None
             request._complete = True
+            if not request.keep_alive:
+                self._input_closed = True
             request._wake()
 
     # -- serving -----------------------------------------------------------------------------------

@@ -352,3 +352,46 @@ def test_a_message_that_is_not_an_object_counts_as_a_part_that_renders_nothing()
         body = {"model": "m", "messages": messages[:end] + [["x"]] * (end % 2)}
         assert chains.chat_block_hashes(body, b"ns", BLOCK, "s")[0] == full(body)
     assert chains.hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_chat_step, min_size=1, max_size=40), keyed=st.booleans(),
+       shared=st.sampled_from(["objects", "parsed"]), max_bytes=st.sampled_from([300, 1 << 20]))
+def test_chat_hashes_of_bodies_sharing_the_stored_messages_equal_the_full_hash(steps, keyed, shared, max_bytes):
+    """As the live router sees them: each turn's body holds the very message objects of the turns
+    before it (a body parsed from a stored prefix shares its messages), so stored parts are met
+    again by identity, not only by equality."""
+    from kvrouter.router.body_prefixes import BodyPrefixes
+
+    chains = PrefixChains(max_bytes=max_bytes, min_bytes=0)
+    bodies = BodyPrefixes(max_bytes=1 << 20, min_bytes=0)
+    sessions: list[list] = [[{"role": "system", "content": "base " * 30}], [{"role": "system", "content": "base " * 30}], []]
+    tools: list = [None, None, None]
+    current = 0
+    for step in steps:
+        messages = sessions[current]
+        if step[0] == "append":
+            messages.append(step[1])
+        elif step[0] == "truncate":
+            del messages[min(step[1], len(messages)):]
+        elif step[0] == "edit" and messages:
+            messages[step[1] % len(messages)] = step[2]
+        elif step[0] == "tools":
+            tools[current] = step[1]
+        elif step[0] == "switch":
+            current = step[1]
+        elif step[0] == "grow" and messages and isinstance(messages[-1], dict):
+            last = messages[-1]
+            if isinstance(last.get("content"), str) or last.get("content") is None:
+                messages[-1] = {**last, "content": (last.get("content") or "") + step[1]}
+        body = {"model": "m", "messages": list(sessions[current])}  # the message objects themselves
+        if tools[current]:
+            body["tools"] = tools[current]
+        session = f"s{current}" if keyed else None
+        if shared == "parsed":
+            raw = orjson.dumps(body)
+            body = bodies.loads(raw, session)
+            assert body == orjson.loads(raw)
+        data = prompt_bytes_and_boundaries(CHAT, body)[0]
+        assert chains.chat_block_hashes(body, b"ns", BLOCK, session) == \
+            (text_block_hashes(data, b"ns", BLOCK), len(data))

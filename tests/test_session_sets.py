@@ -181,3 +181,43 @@ def test_saved_runs_combine_into_one_summary(tmp_path: Path) -> None:
     assert "| 1 | `docs/live-sweep` |" in (tmp_path / "report.md").read_text()
     assert summary["combined"] and "wall_s" not in summary
     assert "--combine" in summary["command"] and not summary["command"].split()[1].startswith("/")
+
+
+def test_routing_doc_other_sessions_quotes_the_saved_runs() -> None:
+    """Every row of routing.md's "Other sessions" table is the saved run's own figures, and the
+    load averages it quotes are those of load-average.txt in each set's window."""
+    import re
+    import statistics
+
+    report = _load("live_sweep_report")
+    doc = (ROOT / "docs" / "routing.md").read_text()
+    section = doc[doc.index("## Other sessions"):doc.index("## Measured in the simulator")]
+    runs = {1: ROOT / "docs/live-sweep/results.json", 2: ROOT / "docs/live-sweep/sets/set-2/results.json",
+            3: ROOT / "docs/live-sweep/sets/set-3/results.json"}
+    names = ["coding-agent", "vllm_consistent_hash", "smg_cache_aware", "consistent_hash"]
+    rows = 0
+    for number, path in runs.items():
+        data = json.loads(path.read_text())
+        for p in data["points"]:
+            line = re.escape(f"| {p['kind']} / {p['capacity_median_sessions']:g} / {p['chars_per_token']:g} cpt "
+                             f"| {number} |")
+            found = re.search(line + r"(.*)\|\n", section)
+            if found is None:
+                continue
+            v = report.verdict(p, data["judged"], data["peers"], data["trace"]["reuse_bound"])
+            cells = [c.strip() for c in found.group(1).split("|")]
+            assert cells[:4] == [f"{100 * p['results'][n]['cache_hit_rate']:.1f}%" for n in names]
+            assert cells[4:7] == [f"{100 * v['hit_margin']:+.1f} pt", f"{v['ttft_p95_vs_best_peer']:.2f}x",
+                                  report._met_word(v)]
+            rows += 1
+    assert rows == 12
+    text = (ROOT / "docs/live-sweep/sets/load-average.txt").read_text()
+    windows = dict(re.findall(r"set (\d) (?:ran )?(\d\d:\d\d:\d\d-\d\d:\d\d:\d\d)", text.splitlines()[1]))
+    samples = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    quoted = re.findall(r"(\d\.\d)-(\d\.\d) \(median (\d\.\d+)\) during set (\d)", " ".join(section.split()))
+    assert [q[3] for q in quoted] == ["2", "3"]
+    for low, high, median, number in quoted:
+        start, end = windows[number].split("-")
+        loads = [float(s[1]) for s in samples if start <= s[0] < end]
+        assert (low, high) == (f"{min(loads):.1f}", f"{max(loads):.1f}")
+        assert float(median) == pytest.approx(statistics.median(loads), abs=0.051)

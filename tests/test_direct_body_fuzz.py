@@ -1,0 +1,237 @@
+"""Large Content-Length bodies taken past the HTTP parser (router/data_connection.py) give the
+same requests, bodies, answers and connection ends as the parser path, however the client's
+bytes are split into reads.
+
+The real `Connection` and `DataServer` (routes, the errors middleware) are driven through an
+in-memory transport: the split of the bytes into reads is what is varied, and a loopback socket
+cannot pin where its reads end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+from unittest import mock
+
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrouter.router import data_connection
+from kvrouter.router.data_connection import Connection
+from kvrouter.router.data_http import Request
+from kvrouter.router.data_server import DataServer
+from kvrouter.router.middlewares import errors_middleware
+
+MAX_BODY = 150_000
+DIRECT = data_connection._DIRECT_BODY_BYTES
+_SIZES = [0, 7, DIRECT - 1, DIRECT, DIRECT + 1, DIRECT + 4096, 2 * DIRECT, MAX_BODY, MAX_BODY + 1]
+
+
+class MemoryTransport:
+    """What `Connection` uses of a transport; a close ends the connection on the next loop turn."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.written: list[bytes] = []
+        self.closed_after: int | None = None  # bytes written when it closed
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        assert self.closed_after is None, "written after close"
+        self.written.append(bytes(data))
+
+    def close(self) -> None:
+        if self.closed_after is None:
+            self.closed_after = sum(map(len, self.written))
+            asyncio.get_running_loop().call_soon(self.conn.connection_lost, None)
+
+    def is_closing(self) -> bool:
+        return self.closed_after is not None
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _body(tag: int, size: int) -> bytes:
+    return (b"%d-0123456789abcdef" % tag * (size // 16 + 1))[:size]
+
+
+def _wire(spec: dict[str, Any], tag: int) -> tuple[bytes, int]:
+    """One request's bytes, and where its head ends."""
+    body = _body(tag, spec["size"])
+    lines = [f"{spec['method']} {spec['path']} HTTP/1.{0 if spec['http10'] else 1}", "Host: x"]
+    framing = spec["framing"]
+    if framing in ("length", "both"):
+        lines.append(f"Content-Length: {len(body)}")
+    if framing in ("chunked", "both"):
+        lines.append("Transfer-Encoding: chunked")
+    if spec["connection"]:
+        lines.append(f"Connection: {spec['connection']}")
+    if spec["expect"]:
+        lines.append("Expect: 100-continue")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    if framing in ("chunked", "both"):
+        half = len(body) // 2
+        body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:half], body[half:]) if p) + b"0\r\n\r\n"
+    return head + body, len(head)
+
+
+_request = st.fixed_dictionaries({
+    "method": st.sampled_from(["POST", "POST", "GET", "HEAD", "PUT"]),
+    "path": st.sampled_from(["/echo", "/echo", "/slow", "/early", "/missing"]),
+    "size": st.one_of(st.sampled_from(_SIZES), st.integers(0, MAX_BODY + 10)),
+    "framing": st.sampled_from(["length", "length", "length", "chunked", "both", "none"]),
+    "connection": st.sampled_from([None, None, "close", "keep-alive"]),
+    "http10": st.booleans(),
+    "expect": st.booleans(),
+})
+
+
+async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: bool) -> Any:
+    """Feed `wire` in the reads `cuts` make (the client going away before read `drop_at`) and
+    return everything observable: the requests the handlers saw, the bytes written (Date
+    fields aside), when the connection closed, and at which read it stayed paused. "/slow" is
+    answered once reading pauses or all is fed, so the requests behind it queue."""
+    seen: list[Any] = []
+    gate = asyncio.Event()
+
+    def record(request: Request, body: bytes | None) -> None:
+        seen.append((request.method, request.path, tuple(request.headers.items()), request.version,
+                     request.keep_alive, body))
+
+    async def echo(request: Request) -> web.Response:
+        body = await request.read()
+        record(request, body)
+        return web.Response(body=b"%d:%s" % (len(body), body[-40:]))
+
+    async def slow(request: Request) -> web.Response:
+        body = await request.read()
+        record(request, body)
+        await gate.wait()
+        return web.Response(body=b"slow %d" % len(body))
+
+    async def early(request: Request) -> web.Response:
+        record(request, None)  # answered before its body is read
+        return web.Response(body=b"early")
+
+    routes = {"/echo": {m: echo for m in ("GET", "POST", "PUT")}, "/early": {"POST": early, "PUT": early},
+              "/slow": {"POST": slow, "GET": slow}}
+    server = DataServer(routes, [errors_middleware(MAX_BODY)], [], max_body_bytes=MAX_BODY,
+                        header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    with mock.patch.object(data_connection, "_DIRECT_BODY_BYTES", DIRECT if direct else 1 << 62):
+        conn = Connection(server)
+        transport = MemoryTransport(conn)
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        stuck_at = None
+        edges = [0, *cuts, len(wire)]
+        for n, (start, end) in enumerate(zip(edges, edges[1:])):
+            for _ in range(30):  # the handlers run between reads
+                await asyncio.sleep(0)
+            if conn.closing:
+                break
+            if n == drop_at:
+                conn.connection_lost(ConnectionResetError())
+                break
+            if transport.paused:  # a real transport holds these bytes back: the queue must drain
+                gate.set()
+                for _ in range(30):
+                    await asyncio.sleep(0)
+                if transport.paused:
+                    stuck_at = n
+                    break
+            conn.data_received(wire[start:end])
+        gate.set()
+        for _ in range(30):
+            await asyncio.sleep(0)
+        task = conn._task
+        assert task is None or task.done() or not conn.closing, "a handler outlives its connection"
+        if task is not None and not task.done():
+            task.cancel()
+    out = re.sub(rb"Date: [^\r]*\r\n", b"", b"".join(transport.written))
+    return seen, out, transport.closed_after, stuck_at, conn.closing
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(_request, min_size=1, max_size=3), data=st.data())
+def test_direct_bodies_serve_exactly_as_the_parser_path_at_any_split(requests, data) -> None:
+    wire, marks = b"", []
+    for tag, spec in enumerate(requests):
+        one, head = _wire(spec, tag)
+        marks += [len(wire) + head, len(wire) + len(one)]
+        wire += one
+    near = st.sampled_from(marks).flatmap(lambda m: st.integers(m - 2, m + 2))
+    cut = st.one_of(st.integers(0, len(wire)), near, st.sampled_from(marks).map(lambda m: m + DIRECT))
+    cuts = sorted({c for c in data.draw(st.lists(cut, max_size=8), label="cuts") if 0 < c < len(wire)})
+    drop_at = data.draw(st.one_of(st.none(), st.integers(0, len(cuts))), label="drop_at")
+    old = asyncio.run(_served(wire, cuts, drop_at, direct=False))
+    new = asyncio.run(_served(wire, cuts, drop_at, direct=True))
+    assert new == old
+
+
+@pytest.mark.parametrize("size", [100, 2 * DIRECT], ids=["parsed-body", "direct-body"])
+async def test_a_queued_request_that_closes_is_answered_and_nothing_after_it_is_served(size: int) -> None:
+    """A request with `Connection: close`, queued behind a slow one, with the client's next
+    request already behind it: the first two are answered in order (the second with the close),
+    what follows the close is neither served nor makes the server drop the accepted second."""
+    gate = asyncio.Event()
+    served: list[str] = []
+
+    async def slow(request: Request) -> web.Response:
+        await request.read()
+        await gate.wait()
+        served.append("slow")
+        return web.Response(body=b"slow")
+
+    async def echo(request: Request) -> web.Response:
+        body = await request.read()
+        served.append(f"echo {len(body)}")
+        return web.Response(body=b"echo %d" % len(body))
+
+    server = DataServer({"/slow": {"POST": slow}, "/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    body = _body(1, size)
+    closing = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % size
+    conn.data_received(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" + closing)
+    await asyncio.sleep(0)
+    conn.data_received(body[:size // 2])
+    await asyncio.sleep(0)
+    conn.data_received(body[size // 2:] + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    gate.set()
+    for _ in range(200):
+        if transport.closed_after is not None:
+            break
+        await asyncio.sleep(0)
+    out = re.sub(rb"Date: [^\r]*\r\n", b"", b"".join(transport.written))
+    assert served == ["slow", f"echo {size}"]
+    assert out == (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nslow"
+                   b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\necho %d"
+                   % (len(b"echo %d" % size), size))
+    assert transport.closed_after == sum(map(len, transport.written))  # closed once both are out
+
+
+async def test_a_large_content_length_with_a_transfer_encoding_is_refused_not_read_past_the_parser() -> None:
+    """Both framings at once (a request smuggling shape): a 400 and a close, nothing dispatched,
+    however large the Content-Length."""
+    spec = {"method": "POST", "path": "/echo", "size": 2 * DIRECT, "framing": "both", "connection": None,
+            "http10": False, "expect": False}
+    wire, head = _wire(spec, 0)
+    seen, out, closed_after, _, closing = await _served(wire, [head, head + 10], None, direct=True)
+    assert not seen and closing and out.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in out
+    assert closed_after is not None
