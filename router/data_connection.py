@@ -125,9 +125,20 @@ class Connection(asyncio.Protocol):
             finally:
                 self._drain = None
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if self.closing or self.upgraded or self._input_closed:
             return
+        if type(data) is bytes and len(data) > _DIRECT_BODY_BYTES and self._parsing is None \
+                and not self._in_head:
+            # A large read that begins a request: the parser gets its head alone, so that a
+            # large body that came with it is taken past the parser (which would copy it) too.
+            end = data.find(b"\r\n\r\n", 0, _MAX_HEAD_BYTES)
+            if 0 < end and end + 4 < len(data):
+                view = memoryview(data)
+                self.data_received(view[:end + 4])
+                data = view[end + 4:]
+                if self.closing or self.upgraded or self._input_closed:
+                    return
         if self._direct_left:
             data = self._receive_direct(data)
             if not data or self._input_closed:
@@ -162,10 +173,11 @@ class Connection(asyncio.Protocol):
             if left >= _DIRECT_BODY_BYTES:
                 self._direct_left = left
 
-    def _receive_direct(self, data: bytes) -> bytes:
+    def _receive_direct(self, data: bytes | memoryview) -> bytes | memoryview:
         """Take the body's next bytes from `data` as they are (a read wholly body is kept, not
-        copied); once it is whole, the request is complete and a new parser (the old one still
-        counts the body) takes what follows. Returns what is left of `data`."""
+        copied; the body after a head in the same read is a view of it); once it is whole, the
+        request is complete and a new parser (the old one still counts the body) takes what
+        follows. Returns what is left of `data`."""
         left = self._direct_left
         piece, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
         self._direct_left = left - len(piece)
@@ -259,7 +271,7 @@ class Connection(asyncio.Protocol):
                 self._reading_paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
 
-    def on_body(self, body: bytes) -> None:
+    def on_body(self, body: bytes | memoryview) -> None:
         request = self._parsing
         if request is None or request._too_large:
             return

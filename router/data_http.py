@@ -53,7 +53,7 @@ class Request:
         self.keep_alive = keep_alive
         self.expect = expect  # the Expect header's value
         self._conn = conn
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         self._size = 0
         self._complete = False
         self._too_large = False
@@ -81,8 +81,8 @@ class Request:
         of a small body that came with the headers."""
         if not self._complete or self._too_large or self._malformed is not None:
             return None
-        chunks = self._chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks = self._chunks  # (a piece taken from a read after its head is a view of it)
+        return chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
 
     async def read(self) -> bytes:
         """The whole body; HTTP 413 (raised, as aiohttp does) past the server's body limit,
@@ -99,8 +99,8 @@ class Request:
             raise web.HTTPBadRequest(reason=self._malformed)
         if self._too_large:
             raise web.HTTPRequestEntityTooLarge(self._conn.server.max_body_bytes, self._size)
-        chunks = self._chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks = self._chunks  # (a piece taken from a read after its head is a view of it)
+        return chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
 
     def _wake(self) -> None:
         waiter = self._waiter

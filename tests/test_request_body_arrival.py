@@ -121,3 +121,34 @@ async def test_large_bodies_in_pieces_with_the_next_request_behind_reach_the_rep
     writer.close()
     assert [r["raw"] for r in up.requests[-3:]] == [first, second, CHAT]
     assert sum(fed) < len(requests) - 300_000  # most of the large bodies never went through it
+
+
+async def test_a_large_body_that_came_with_its_head_is_not_fed_to_the_parser(router, monkeypatch):
+    """A read that holds a request's head and a large part of its body: the parser gets the
+    head alone (it would copy the body into pieces of its own), and the body still reaches the
+    replica byte for byte, with the request behind it in the same read parsed as one."""
+    import httptools
+
+    from kvrouter.router import data_connection
+
+    fed = []
+
+    class CountingParser(httptools.HttpRequestParser):
+        def feed_data(self, data: bytes) -> None:
+            fed.append(len(data))
+            super().feed_data(data)
+
+    monkeypatch.setattr(data_connection.httptools, "HttpRequestParser", CountingParser)
+    up, _, connected = router
+    port = connected.get_extra_info("peername")[1]  # a new connection gets the patched parser
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    large = _large_chat("large", 150_000)
+    head = HEAD + b"Content-Length: %d\r\n\r\n" % len(large)
+    writer.write(head + large + HEAD + b"Content-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+    for _ in range(2):
+        status, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    writer.close()
+    assert [r["raw"] for r in up.requests[-2:]] == [large, CHAT]
+    assert fed[0] == len(head)  # the first read's head alone; its body bytes went past
+    assert sum(fed) < 2 * len(head) + len(CHAT) + 1000
