@@ -4,8 +4,7 @@ write (router/data_server.py serves them).
 
 One request at a time per connection: requests a client pipelines are parsed as they arrive and
 served in order. A client that goes away cancels the handler of its request (the relay then
-aborts the replica's); one that only closes its side (a half-close) is still answered the
-requests it sent whole. Whole answers are aiohttp `web.Response` values (the handlers and the
+aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
 error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
 streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
 first body bytes. HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
@@ -106,21 +105,6 @@ class Connection(asyncio.Protocol):
         waiter = self._drain
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("client connection closed"))
-
-    def eof_received(self) -> bool:
-        """The client has sent all it will (a half-close): the requests it sent whole are still
-        answered, in order, then the connection closes; one it cut short never completes (if
-        it is being served, the connection closes now and its handler ends)."""
-        self._input_closed = True
-        cut_short = self._parsing
-        if cut_short is not None:
-            if cut_short in self._queue:  # (else it is being served, or answered before its body came)
-                self._queue.remove(cut_short)
-            self._parsing = None
-        if self._serving is None or self._serving is cut_short:  # nothing (more) can be answered
-            self._close()
-            return False
-        return True  # kept open to write the answers
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -409,12 +393,12 @@ class Connection(asyncio.Protocol):
         if self.must_close or self.closing:
             self._close()
             return
-        if self._reading_paused and not self._input_closed:
+        if self._reading_paused:
             self._reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
         if self._queue:
             self._serve(self._queue.popleft())
-        elif self.server.stopping or self._input_closed:  # (after a half-close: all answered)
+        elif self.server.stopping:
             self._close()
         else:
             self._idle()

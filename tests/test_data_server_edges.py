@@ -301,18 +301,3 @@ def test_the_declared_multidict_intersects_header_names_case_insensitively():
               for d in project["project"]["dependencies"] if d.startswith("multidict")]
     assert floors and floors[0] is not None and (int(floors[0][1]), int(floors[0][2])) >= (6, 3), floors
     assert CIMultiDict([("Content-TYPE", "a")]).keys() & {"content-type"}
-
-
-async def test_a_client_that_half_closes_after_its_requests_gets_their_answers(start_app, start_router):
-    """A client that sends its requests and then closes its side (a half-close, as `nc -N`
-    does): the requests it sent whole are still answered, in order, then the connection closes."""
-    up = FakeUpstream()
-    _, url = await start_router([await start_app(up.app())])
-    for last in (b"Connection: close", b"X-Last: yes"):  # the last one closing or not
-        reader, writer = await _open(url)
-        writer.write(_post(CHAT) + _post(CHAT, last))
-        writer.write_eof()
-        data = await _read_all(reader)  # returns only once the router closes
-        writer.close()
-        assert data.count(b"HTTP/1.1 200 OK\r\n") == 2, data[:300]
-    assert len(up.requests) == 4
