@@ -106,6 +106,13 @@ class Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("client connection closed"))
 
+    def eof_received(self) -> bool:
+        """The client's end of its stream is taken as the client gone (False: the transport
+        closes, cancelling what it asked for): a socket shut only for writing (a half-close)
+        looks the same here as one closed whole, and a stream whose replica is quiet writes
+        nothing that would find the latter gone."""
+        return False
+
     def pause_writing(self) -> None:
         self.write_paused = True
 

@@ -181,6 +181,34 @@ def test_direct_bodies_serve_exactly_as_the_parser_path_at_any_split(requests, d
     assert new == old
 
 
+# No body, a short one, or any (a chunked one, one sent with no framing at all among them)
+_led_request = st.one_of(_request, _request.map(lambda spec: {**spec, "size": 0}),
+                         _request.map(lambda spec: {**spec, "size": spec["size"] % 3000}))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(_led_request, max_size=3), data=st.data())
+def test_large_reads_that_begin_a_request_serve_exactly_as_the_parser_path(requests, data) -> None:
+    """Reads over the direct-body size that begin at a request's start (its head then split off
+    for the parser), with the requests pipelined behind it in the same read, each served as the
+    plain parser path serves it."""
+    large = data.draw(_request.map(lambda spec: {**spec, "size": DIRECT + spec["size"] % MAX_BODY}), label="large")
+    requests.insert(data.draw(st.integers(0, len(requests)), label="large at"), large)  # (so the wire is long)
+    wire, starts = b"", []
+    for tag, spec in enumerate(requests):
+        starts.append(len(wire))
+        wire += _wire(spec, tag)[0]
+    edges: set[int] = set()
+    for start in data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=4), label="read starts"):
+        edges.add(start)  # a read begins there and runs on past the direct-body size
+        edges.add(start + DIRECT + data.draw(st.sampled_from([1, 5, 4096, 70_000, 1 << 20]), label="over"))
+    cuts = sorted(c for c in edges if 0 < c < len(wire))
+    drop_at = data.draw(st.one_of(st.none(), st.integers(0, len(cuts))), label="drop_at")
+    old = asyncio.run(_served(wire, cuts, drop_at, direct=False))
+    new = asyncio.run(_served(wire, cuts, drop_at, direct=True))
+    assert new == old
+
+
 @pytest.mark.parametrize("size", [100, 2 * DIRECT], ids=["parsed-body", "direct-body"])
 async def test_a_queued_request_that_closes_is_answered_and_nothing_after_it_is_served(size: int) -> None:
     """A request with `Connection: close`, queued behind a slow one, with the client's next

@@ -152,3 +152,22 @@ async def test_a_large_body_that_came_with_its_head_is_not_fed_to_the_parser(rou
     assert [r["raw"] for r in up.requests[-2:]] == [large, CHAT]
     assert fed[0] == len(head)  # the first read's head alone; its body bytes went past
     assert sum(fed) < 2 * len(head) + len(CHAT) + 1000
+
+
+async def test_requests_pipelined_behind_a_small_one_in_one_large_write_reach_the_replica_whole(router):
+    """One large write that begins with a request whose body is short, then a chunked body,
+    a large Content-Length one and a short one: a read that begins a request with much behind
+    it has its head split off for the parser, and every body still arrives byte for byte."""
+    up, reader, writer = router
+    chunked, large = _large_chat("chunked", 90_000), _large_chat("large", 150_000)
+    third = len(chunked) // 3
+    pieces = (chunked[:third], chunked[third:])
+    writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(CHAT) + CHAT
+                 + HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+                 + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+                 + HEAD + b"Content-Length: %d\r\n\r\n" % len(large) + large
+                 + HEAD + b"Content-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+    for _ in range(4):
+        status, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and body["choices"]
+    assert [r["raw"] for r in up.requests[-4:]] == [CHAT, chunked, large, CHAT]
