@@ -146,12 +146,14 @@ class Snapshot:
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
     loads: tuple[int, ...] | None = None  # each replica's `load`, in `replicas` order
+    # `load_scan` of a request that excludes no replica, kept by the registry as loads change.
+    fleet_scan: LoadScan | None = None
     # Fleet scans already made on these replicas (not part of the snapshot's value).
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
         return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch, self.loads, self.memo)
+                        self.healthy_count, self.fresh, self.epoch, self.loads, self.fleet_scan, self.memo)
 
     def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
         """Healthy replicas not already tried for this request, in snapshot order: scanned once
@@ -170,8 +172,12 @@ class Snapshot:
 
     def load_scan(self, request: RequestSummary) -> LoadScan:
         """Least and most load among the request's candidates, and the least-loaded ones;
-        computed once per snapshot and exclusion set."""
-        found = self.memo.loads.get(request.exclude)
+        computed once per snapshot and exclusion set (the registry hands in the one of no
+        exclusions, `fleet_scan`)."""
+        exclude = request.exclude
+        if not exclude and self.fleet_scan is not None:
+            return self.fleet_scan
+        found = self.memo.loads.get(exclude)
         if found is None:
             candidates = self.candidate_views(request)
             if candidates:
@@ -190,7 +196,7 @@ class Snapshot:
                 found = LoadScan(low, max(loads), tuple(least))
             else:
                 found = LoadScan(0, 0, ())
-            _remember(self.memo.loads, request.exclude, found)
+            _remember(self.memo.loads, exclude, found)
         return found
 
     def candidates(self, request: RequestSummary) -> list[ReplicaView]:
