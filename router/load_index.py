@@ -5,7 +5,8 @@ LoadScan`) costs a change's work, not a pass over the fleet, on every snapshot.
 Loads are small integers that mostly move by one (a dispatch, a completion) and now and then jump
 (a polled signal, a health change, a replica added or removed): each distinct load holds its
 replicas ordered by registration number, which is the order of the registry's views and so of a
-snapshot's `replicas`.
+snapshot's `replicas`. The index is built on the first scan asked for and kept from then on: a
+router whose policies never scan loads pays nothing for it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,31 @@ _NO_REPLICAS = LoadScan(0, 0, ())
 
 
 class LoadIndex:
-    """Healthy views by load. `order` maps each member's id to its registration number (views are
-    kept in that order); a view must be inserted before, and discarded before, its id leaves it."""
+    """Healthy views by load, once `active`. `order` maps each member's id to its registration
+    number, `views` each id to its view (in that order); while active, a view must be inserted
+    before, and discarded before, its id leaves `order`."""
 
-    __slots__ = ("_order", "_at", "_scan")
+    __slots__ = ("_order", "_views", "_at", "_scan", "active")
 
-    def __init__(self, order: Mapping[str, int]) -> None:
+    def __init__(self, order: Mapping[str, int], views: Mapping[str, ReplicaView]) -> None:
         self._order = order
+        self._views = views
         # load -> (registration numbers ascending, the views in the same order)
         self._at: dict[int, tuple[list[int], list[ReplicaView]]] = {}
-        self._scan: LoadScan | None = _NO_REPLICAS
+        self._scan: LoadScan | None = None
+        self.active = False  # kept up to date by the registry from the first scan on
+
+    def _activate(self) -> None:
+        order, at_load = self._order, self._at
+        for view in self._views.values():  # already in registration order
+            if view.healthy:
+                bucket = at_load.get(view.load)
+                if bucket is None:
+                    at_load[view.load] = ([order[view.id]], [view])
+                else:
+                    bucket[0].append(order[view.id])
+                    bucket[1].append(view)
+        self.active = True
 
     def _changes_scan(self, load: int) -> None:
         """Forget the kept scan unless `load` lies strictly between its least and most load (a
@@ -60,22 +76,39 @@ class LoadIndex:
         self._changes_scan(load)
 
     def replace(self, old: ReplicaView, new: ReplicaView) -> None:
-        """`discard(old)` then `insert(new)`, for a view of the same replica."""
-        load = old.load
-        if new.load != load:
-            self.discard(old)
-            self.insert(new)
-            return
-        numbers, views = self._at[load]
-        views[bisect_left(numbers, self._order[old.id])] = new
+        """`discard(old)` then `insert(new)`, for a view of the same replica: written out in one
+        call, as it runs on every dispatch and completion."""
+        load, number, at_load = old.load, self._order[old.id], self._at
+        numbers, views = at_load[load]
+        at = bisect_left(numbers, number)
         scan = self._scan
-        if scan is not None and load == scan.low:  # one of the least-loaded views changed
+        new_load = new.load
+        if new_load == load:
+            views[at] = new
+            if scan is not None and load == scan.low:  # one of the least-loaded views changed
+                self._scan = None
+            return
+        if len(numbers) == 1:
+            del at_load[load]
+        else:
+            del numbers[at], views[at]
+        bucket = at_load.get(new_load)
+        if bucket is None:
+            at_load[new_load] = ([number], [new])
+        else:
+            numbers, views = bucket
+            at = bisect_left(numbers, number)
+            numbers.insert(at, number)
+            views.insert(at, new)
+        if scan is not None and not (scan.low < load < scan.high and scan.low < new_load < scan.high):
             self._scan = None
 
     def scan(self) -> LoadScan:
-        """What `Snapshot.load_scan` finds over every healthy replica (no exclusions)."""
+        """What `Snapshot.load_scan` finds over every healthy view (no exclusions)."""
         scan = self._scan
         if scan is None:
+            if not self.active:
+                self._activate()
             at = self._at
             if at:
                 low = min(at)

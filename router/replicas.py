@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..sglang_protocol.signals import ReplicaSignals
-from ..policies.domain import FleetMemo, ReplicaView, Snapshot
+from ..policies.domain import FleetMemo, LoadScan, ReplicaView, Snapshot
 from .load_index import LoadIndex
 
 _SIGNAL_FIELDS = (
@@ -101,7 +101,7 @@ class ReplicaRegistry:
         # grow, so they also sort the views in their order (what the load index keeps).
         self._registrations: dict[str, int] = {}
         self._registered = 0
-        self._by_load = LoadIndex(self._registrations)  # healthy views by load: the fleet scan
+        self._by_load = LoadIndex(self._registrations, self._views)  # healthy views by load
         self.draining: set[str] = set()  # no new work; removed once their in-flight ends
         # Told each time this router's in-flight count on a replica changes (router/peer_share.py
         # publishes the counts to the other routers); None: nobody to tell.
@@ -146,10 +146,11 @@ class ReplicaRegistry:
         if view.healthy:
             self._healthy_load += sign * view.load
             self._healthy_count += sign
-            if sign > 0:
-                self._by_load.insert(view)
-            else:
-                self._by_load.discard(view)
+            if self._by_load.active:
+                if sign > 0:
+                    self._by_load.insert(view)
+                else:
+                    self._by_load.discard(view)
         if view.fresh:
             if sign > 0:
                 self._fresh[view.id] = None
@@ -186,7 +187,7 @@ class ReplicaRegistry:
             self._snapshot = _new_snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
                 self._healthy_count, tuple(self._fresh), self._epoch, tuple(self._loads.values()),
-                self._by_load.scan(), FleetMemo(),
+                self, FleetMemo(),
             )
         return self._snapshot
 
@@ -203,6 +204,14 @@ class ReplicaRegistry:
         self._loads[url] = view.load
         self._snapshot = None
         return view
+
+    def scan_for(self, snapshot: Snapshot) -> LoadScan | None:
+        """The load scan of every healthy replica, kept as views change (`policies.domain.
+        FleetLoads`), if `snapshot` still holds the current views; else None."""
+        current = self._snapshot
+        if current is None or current.replicas is not snapshot.replicas:
+            return None
+        return self._by_load.scan()
 
     # -- polled signals and session totals -----------------------------------------------------
     def update_signals(self, url: str, signals: ReplicaSignals | None) -> None:
@@ -282,7 +291,8 @@ class ReplicaRegistry:
         new = _new_view(values)
         if new.healthy:
             self._healthy_load += new.load - view.load
-            self._by_load.replace(view, new)
+            if self._by_load.active:
+                self._by_load.replace(view, new)
         if new.fresh:  # last in the fresh order, as `_account` leaves a replaced view
             del self._fresh[url]
             self._fresh[url] = None

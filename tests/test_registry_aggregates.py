@@ -50,7 +50,8 @@ def check(registry: ReplicaRegistry) -> None:
     assert snapshot.mean_load() == mean
     # The kept load scan is what a scan of the views finds (a hand-built snapshot computes it),
     # its least-loaded views the snapshot's own objects, in snapshot order.
-    kept, scanned = snapshot.fleet_scan, Snapshot(views).load_scan(RequestSummary("/x"))
+    kept = snapshot.fleet_loads.scan_for(snapshot)
+    scanned = Snapshot(views).load_scan(RequestSummary("/x"))
     assert kept is not None and (kept.low, kept.high) == (scanned.low, scanned.high)
     assert [id(v) for v in kept.least] == [id(v) for v in scanned.least]
     assert snapshot.load_scan(RequestSummary("/x")) is kept
@@ -85,3 +86,14 @@ def test_the_kept_scan_hands_out_a_least_loaded_view_changed_at_the_same_load() 
     registry.record_failure(URLS[2])  # unhealthy: not a candidate
     check(registry)
     assert [v.id for v in registry.snapshot().load_scan(RequestSummary("/x")).least] == [URLS[1]]
+
+
+def test_a_snapshot_older_than_the_registry_scans_its_own_views() -> None:
+    registry = ReplicaRegistry(URLS[:3])
+    registry.dispatched(URLS[0], 10)
+    older = registry.snapshot()
+    registry.dispatched(URLS[1], 10)
+    registry.snapshot()  # the registry's replicas change after `older` was taken
+    assert older.fleet_loads.scan_for(older) is None
+    assert [v.id for v in older.load_scan(RequestSummary("/x")).least] == [URLS[1], URLS[2]]
+    assert [v.id for v in registry.snapshot().load_scan(RequestSummary("/x")).least] == [URLS[2]]
