@@ -154,8 +154,9 @@ class Snapshot:
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
     loads: tuple[int, ...] | None = None  # each replica's `load`, in `replicas` order
-    # The registry's kept load scan: `load_scan` of a request that excludes no replica.
-    fleet_loads: FleetLoads | None = None
+    # The registry's kept load scan: `load_scan` of a request that excludes no replica (a source,
+    # not part of the snapshot's value).
+    fleet_loads: FleetLoads | None = field(default=None, compare=False, repr=False)
     # Fleet scans already made on these replicas (not part of the snapshot's value).
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
