@@ -119,6 +119,14 @@ class FleetMemo:
         self.loads: dict[frozenset[str], LoadScan] = {}
 
 
+class FleetLoads(Protocol):
+    """The load scan of every healthy replica, kept as they change (router/load_index.py)."""
+
+    def scan_for(self, snapshot: "Snapshot") -> LoadScan | None:
+        """`snapshot.load_scan` of no exclusions, or None if the replicas changed since it was
+        taken (it scans its own views then)."""
+
+
 _T = TypeVar("_T")
 
 
@@ -146,12 +154,15 @@ class Snapshot:
     fresh: tuple[str, ...] | None = None  # ids of fresh replicas
     epoch: int | None = None  # changes whenever a replica is added or removed
     loads: tuple[int, ...] | None = None  # each replica's `load`, in `replicas` order
+    # The registry's kept load scan: `load_scan` of a request that excludes no replica (a source,
+    # not part of the snapshot's value).
+    fleet_loads: FleetLoads | None = field(default=None, compare=False, repr=False)
     # Fleet scans already made on these replicas (not part of the snapshot's value).
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
         return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch, self.loads, self.memo)
+                        self.healthy_count, self.fresh, self.epoch, self.loads, self.fleet_loads, self.memo)
 
     def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
         """Healthy replicas not already tried for this request, in snapshot order: scanned once
@@ -170,8 +181,14 @@ class Snapshot:
 
     def load_scan(self, request: RequestSummary) -> LoadScan:
         """Least and most load among the request's candidates, and the least-loaded ones;
-        computed once per snapshot and exclusion set."""
-        found = self.memo.loads.get(request.exclude)
+        computed once per snapshot and exclusion set (with no exclusions, kept by the registry
+        while its replicas are still the snapshot's: `fleet_loads`)."""
+        exclude = request.exclude
+        if not exclude and self.fleet_loads is not None:
+            kept = self.fleet_loads.scan_for(self)
+            if kept is not None:
+                return kept
+        found = self.memo.loads.get(exclude)
         if found is None:
             candidates = self.candidate_views(request)
             if candidates:
@@ -190,7 +207,7 @@ class Snapshot:
                 found = LoadScan(low, max(loads), tuple(least))
             else:
                 found = LoadScan(0, 0, ())
-            _remember(self.memo.loads, request.exclude, found)
+            _remember(self.memo.loads, exclude, found)
         return found
 
     def candidates(self, request: RequestSummary) -> list[ReplicaView]:

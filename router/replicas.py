@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ..sglang_protocol.signals import ReplicaSignals
-from ..policies.domain import FleetMemo, ReplicaView, Snapshot
+from ..policies.domain import FleetMemo, LoadScan, ReplicaView, Snapshot
+from .load_index import LoadIndex
 
 _SIGNAL_FIELDS = (
     "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",
@@ -96,9 +97,11 @@ class ReplicaRegistry:
         self._loads: dict[str, int] = {}  # each view's load, in view order (load-scanning policies)
         self._epoch = 0
         # Which registration of a URL is current: a slot reserved on an earlier one (the replica
-        # was removed and added back meanwhile) must not be released on the new one.
+        # was removed and added back meanwhile) must not be released on the new one. Numbers
+        # grow, so they also sort the views in their order (what the load index keeps).
         self._registrations: dict[str, int] = {}
         self._registered = 0
+        self._by_load = LoadIndex(self._registrations, self._views)  # healthy views by load
         self.draining: set[str] = set()  # no new work; removed once their in-flight ends
         # Told each time this router's in-flight count on a replica changes (router/peer_share.py
         # publishes the counts to the other routers); None: nobody to tell.
@@ -113,10 +116,10 @@ class ReplicaRegistry:
         view = ReplicaView(id=url, fresh=fresh)
         self._views[url] = view
         self._loads[url] = view.load
-        self._account(view, 1)
-        self._failures[url] = 0
         self._registered += 1
         self._registrations[url] = self._registered
+        self._account(view, 1)
+        self._failures[url] = 0
         self._epoch += 1
         self._snapshot = None
         return True
@@ -143,6 +146,11 @@ class ReplicaRegistry:
         if view.healthy:
             self._healthy_load += sign * view.load
             self._healthy_count += sign
+            if self._by_load.active:
+                if sign > 0:
+                    self._by_load.insert(view)
+                else:
+                    self._by_load.discard(view)
         if view.fresh:
             if sign > 0:
                 self._fresh[view.id] = None
@@ -179,7 +187,7 @@ class ReplicaRegistry:
             self._snapshot = _new_snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
                 self._healthy_count, tuple(self._fresh), self._epoch, tuple(self._loads.values()),
-                FleetMemo(),
+                self, FleetMemo(),
             )
         return self._snapshot
 
@@ -196,6 +204,14 @@ class ReplicaRegistry:
         self._loads[url] = view.load
         self._snapshot = None
         return view
+
+    def scan_for(self, snapshot: Snapshot) -> LoadScan | None:
+        """The load scan of every healthy replica, kept as views change (`policies.domain.
+        FleetLoads`), if `snapshot` still holds the current views; else None."""
+        current = self._snapshot
+        if current is None or current.replicas is not snapshot.replicas:
+            return None
+        return self._by_load.scan()
 
     # -- polled signals and session totals -----------------------------------------------------
     def update_signals(self, url: str, signals: ReplicaSignals | None) -> None:
@@ -263,7 +279,8 @@ class ReplicaRegistry:
 
     def _apply_in_flight(self, url: str) -> None:
         """`_update(url, in_flight=..., in_flight_prompt_tokens=..., pending_prefill_tokens=...)`
-        for the noted counts: only the view's load changes of what `_account` adds up."""
+        for the noted counts: only the view's load changes of what `_account` adds up (and the
+        view itself, in the load index)."""
         counts = self._in_flight.pop(url)
         view = self._views.get(url)
         if view is None:
@@ -274,6 +291,8 @@ class ReplicaRegistry:
         new = _new_view(values)
         if new.healthy:
             self._healthy_load += new.load - view.load
+            if self._by_load.active:
+                self._by_load.replace(view, new)
         if new.fresh:  # last in the fresh order, as `_account` leaves a replaced view
             del self._fresh[url]
             self._fresh[url] = None

@@ -1,14 +1,15 @@
 """The fleet aggregates the registry keeps incrementally (healthy load and count, fresh replicas,
-each view's load, the id index) and hands to policies in every snapshot, so that
-`fresh_below_mean`, `mean_load` and sampling never scan the fleet: after any sequence of
-dispatches, completions, polls, homes, health changes, additions and removals they equal what a
-scan of the snapshot's views finds."""
+each view's load, the id index, the load scan) and hands to policies in every snapshot, so that
+`fresh_below_mean`, `mean_load`, sampling and the load-based policies never scan the fleet: after
+any sequence of dispatches, completions, polls, homes, peer counts, health changes, drains,
+additions and removals they equal what a scan of the snapshot's views finds."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrouter.policies.domain import RequestSummary, Snapshot
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.signals import ReplicaSignals
 
@@ -47,6 +48,13 @@ def check(registry: ReplicaRegistry) -> None:
     assert dict(snapshot.by_id) == {v.id: v for v in views}
     mean = sum(v.load for v in healthy) / len(healthy) if healthy else 0.0
     assert snapshot.mean_load() == mean
+    # The kept load scan is what a scan of the views finds (a hand-built snapshot computes it),
+    # its least-loaded views the snapshot's own objects, in snapshot order.
+    kept = snapshot.fleet_loads.scan_for(snapshot)
+    scanned = Snapshot(views).load_scan(RequestSummary("/x"))
+    assert kept is not None and (kept.low, kept.high) == (scanned.low, scanned.high)
+    assert [id(v) for v in kept.least] == [id(v) for v in scanned.least]
+    assert snapshot.load_scan(RequestSummary("/x")) is kept
 
 
 @settings(max_examples=150, deadline=None)
@@ -61,3 +69,31 @@ def test_kept_aggregates_equal_a_scan_of_the_views(sequence, read_between: bool)
         if read_between:  # in-flight counts reach the views when read: check both orders
             check(registry)
     check(registry)
+
+
+def test_the_kept_scan_hands_out_a_least_loaded_view_changed_at_the_same_load() -> None:
+    registry = ReplicaRegistry(URLS[:3])
+    registry.update_signals(URLS[0], ReplicaSignals(num_running_reqs=4))
+    registry.dispatched(URLS[1], 10, 5)
+    registry.dispatched(URLS[2], 10, 5)
+    check(registry)  # least load 1 (r1, r2), most 4 (r0)
+    registry.prefill_answered(URLS[1], 5)  # a new view of r1, still at load 1
+    registry.dispatched(URLS[0], 10)  # a new view of r0, still at load 4 (its polled count)
+    check(registry)
+    registry.completed(URLS[2], 10, 5)  # r2 alone is least loaded now
+    registry.record_failure(URLS[2])
+    registry.record_failure(URLS[2])
+    registry.record_failure(URLS[2])  # unhealthy: not a candidate
+    check(registry)
+    assert [v.id for v in registry.snapshot().load_scan(RequestSummary("/x")).least] == [URLS[1]]
+
+
+def test_a_snapshot_older_than_the_registry_scans_its_own_views() -> None:
+    registry = ReplicaRegistry(URLS[:3])
+    registry.dispatched(URLS[0], 10)
+    older = registry.snapshot()
+    registry.dispatched(URLS[1], 10)
+    registry.snapshot()  # the registry's replicas change after `older` was taken
+    assert older.fleet_loads.scan_for(older) is None
+    assert [v.id for v in older.load_scan(RequestSummary("/x")).least] == [URLS[1], URLS[2]]
+    assert [v.id for v in registry.snapshot().load_scan(RequestSummary("/x")).least] == [URLS[2]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvrouter.policies.domain import ReplicaView
+from kvrouter.policies.domain import LoadScan, ReplicaView, RequestSummary
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.signals import ReplicaSignals
 
@@ -104,5 +104,6 @@ def test_views_and_snapshots_the_registry_makes_match_their_constructors_in_ever
     assert type(memo).__name__ == "FleetMemo" and memo.candidates == {} and memo.loads == {}
     assert fields == {"replicas": (registry.view(A), view), "session": None, "by_id": snapshot.by_id,
                       "healthy_load": 7, "healthy_count": 2, "fresh": (B,), "epoch": snapshot.epoch,
-                      "loads": (1, 6)}
+                      "loads": (1, 6), "fleet_loads": registry}
+    assert snapshot.load_scan(RequestSummary("/x")) == LoadScan(1, 6, (registry.view(A),))
     assert registry.snapshot() is snapshot  # nothing changed since
