@@ -6,10 +6,12 @@ additions and removals they equal what a scan of the snapshot's views finds."""
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrouter.policies.domain import RequestSummary, Snapshot
+from kvrouter.policies.domain import LoadScan, RequestSummary, SessionView, Snapshot
 from kvrouter.router.replicas import ReplicaRegistry
 from kvrouter.sglang_protocol.signals import ReplicaSignals
 
@@ -97,3 +99,69 @@ def test_a_snapshot_older_than_the_registry_scans_its_own_views() -> None:
     assert older.fleet_loads.scan_for(older) is None
     assert [v.id for v in older.load_scan(RequestSummary("/x")).least] == [URLS[1], URLS[2]]
     assert [v.id for v in registry.snapshot().load_scan(RequestSummary("/x")).least] == [URLS[2]]
+
+
+def same_scan(got: LoadScan, want: LoadScan) -> bool:
+    """Equal scans whose least-loaded views are the very same objects, in the same order."""
+    return (got.low, got.high) == (want.low, want.high) and \
+        [id(v) for v in got.least] == [id(v) for v in want.least]
+
+
+def drive(rng: random.Random, steps: int) -> None:
+    """Random changes to a small registry, interleaved with snapshots taken and read at once (as
+    a decision reads its own), kept and read again later (as deferred decision notes read theirs
+    after the dispatch), as a session's copy, with a retry's exclusions, and a policy filling in
+    a view's cost terms: each read must be a scan of the views that snapshot holds."""
+    urls = URLS[:rng.randint(1, len(URLS))]
+    registry = ReplicaRegistry(urls[:rng.randint(0, len(urls))], failure_threshold=rng.randint(1, 3))
+    kept: list[Snapshot] = []
+
+    def read(snapshot: Snapshot, exclude: frozenset[str] = frozenset()) -> None:
+        request = RequestSummary("/x", exclude=exclude)
+        assert same_scan(snapshot.load_scan(request), Snapshot(snapshot.replicas).load_scan(request))
+
+    for _ in range(steps):
+        u, n = rng.choice(urls), rng.randint(0, 40)
+        change = rng.randrange(15)
+        if change == 0:
+            registry.add(u, fresh=rng.random() < 0.5)
+        elif change == 1:
+            registry.remove(u)  # (added back later: a new registration of the same id)
+        elif change in (2, 3):
+            registry.dispatched(u, n, rng.randint(0, 40))
+        elif change in (4, 5):
+            registry.completed(u, n, rng.randint(0, 40))
+        elif change == 6:
+            registry.prefill_answered(u, n)  # a new view at the same load
+        elif change == 7:  # a poll, or signals gone stale
+            registry.update_signals(u, None if rng.random() < 0.3 else ReplicaSignals(
+                num_running_reqs=rng.randint(0, 6), num_queue_reqs=rng.choice([None, 0, 2])))
+        elif change == 8:
+            registry.set_homed(u, rng.randint(0, 3), n)
+        elif change == 9:
+            registry.set_peer_in_flight(u, rng.randint(0, 3))
+        elif change == 10:
+            registry.record_failure(u)
+        elif change == 11:
+            registry.record_success(u)
+        elif change == 12:
+            registry.drain(u)
+        elif change == 13:
+            registry.mark_settled(u)
+        elif (view := registry.view(u)) is not None:  # kept with the view: not a change of it
+            object.__setattr__(view, "cost_terms", ("terms",))
+        if rng.random() < 0.4:
+            snapshot = registry.snapshot()
+            if rng.random() < 0.3:
+                snapshot = snapshot.with_session(SessionView("s", rng.choice(urls)))
+            read(snapshot)
+            kept = [*kept[-4:], snapshot]
+        if kept and rng.random() < 0.5:
+            read(rng.choice(kept), frozenset(rng.sample(urls, rng.randint(0, 1))))
+
+
+def test_any_snapshot_scans_its_own_views_however_old() -> None:
+    """The kept scan serves a snapshot only while it holds the registry's current views; an older
+    one, a session's copy or a retry's request gets a scan of that snapshot's own views."""
+    for seed in range(60):
+        drive(random.Random(seed), 300)
