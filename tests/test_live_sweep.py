@@ -7,31 +7,18 @@ router (another `kvrouter serve`), two short Claude Code sessions, one point.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import aiohttp
 import openai
 
+from .benchmark_modules import load_benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "loadtest" / "data" / "traces"
-
-
-def _load(name: str) -> ModuleType:
-    path = ROOT / "benchmarks" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
 
 
 def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
@@ -70,7 +57,7 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
 
 
 def test_verdict_takes_the_lower_hit_target_and_the_best_peer_p95() -> None:
-    verdict = _load("live_sweep_report").verdict
+    verdict = load_benchmark("live_sweep_report").verdict
     point = {"results": {
         "me": {"cache_hit_rate": 0.90, "ttft_p95_s": 0.7, "requests_failed": 0},
         "peer_a": {"cache_hit_rate": 0.85, "ttft_p95_s": 1.0},
@@ -89,7 +76,7 @@ def test_verdict_takes_the_lower_hit_target_and_the_best_peer_p95() -> None:
 
 
 async def test_mini_replica_caches_prefix_pages_and_evicts_least_recent(start_app) -> None:
-    mini = _load("mini_replica")
+    mini = load_benchmark("mini_replica")
     args = mini.parse_args(["--port", "1", "--max-total-tokens", "480", "--page-tokens", "16",
                             "--time-scale", "1000", "--chars-per-token", "2"])
     url = await start_app(mini.build_app(args))
@@ -123,7 +110,7 @@ def test_mini_replica_pinned_count_follows_pins_through_admits_releases_and_evic
     # with counting the pinned pages.
     import random
 
-    cache = _load("mini_replica").PageCache(capacity_pages=60)
+    cache = load_benchmark("mini_replica").PageCache(capacity_pages=60)
     rng = random.Random(1)
     held: list[tuple[list[bytes], int]] = []
     for step in range(400):
@@ -146,7 +133,7 @@ def test_mini_replica_pinned_count_follows_pins_through_admits_releases_and_evic
 async def test_mini_replica_request_in_its_prefill_counts_as_running_and_blocks_a_flush(start_app) -> None:
     # A flush during a prefill would drop the pages the request holds (its pins no longer
     # counted in token_usage) although the replica is busy.
-    mini = _load("mini_replica")
+    mini = load_benchmark("mini_replica")
     args = mini.parse_args(["--port", "1", "--max-total-tokens", "4800", "--page-tokens", "16",
                             "--time-scale", "1", "--chars-per-token", "2", "--prefill-base-s", "2"])
     app = mini.build_app(args)
@@ -184,7 +171,7 @@ def test_restarted_session_is_fresh_and_caps_pauses() -> None:
 
 def test_every_prompt_is_rendered_before_the_first_contender_runs() -> None:
     # Segments' text is made on first use; the first contender must not pay for it in its TTFT.
-    sweep = _load("live_sweep")
+    sweep = load_benchmark("live_sweep")
     args = sweep.parse_args(["--traces", str(TRACES / "trace_0684.json"), "--max-requests", "3"])
     arrivals = sweep.load_trace(args)
     segments = [seg for _, s in arrivals for _, r in s.planned() for seg in r.segments]

@@ -138,6 +138,26 @@ _chat_step = st.one_of(
 )
 
 
+def _apply_chat_step(sessions: list[list], tools: list, current: int, step: tuple) -> int:
+    """One generated step on the conversations (`sessions`, their `tools`); the current one after it."""
+    messages = sessions[current]
+    if step[0] == "append":
+        messages.append(step[1])
+    elif step[0] == "truncate":
+        del messages[min(step[1], len(messages)):]
+    elif step[0] == "edit" and messages:
+        messages[step[1] % len(messages)] = step[2]
+    elif step[0] == "tools":
+        tools[current] = step[1]
+    elif step[0] == "switch":
+        current = step[1]
+    elif step[0] == "grow" and messages and isinstance(messages[-1], dict):
+        last = messages[-1]
+        if isinstance(last.get("content"), str) or last.get("content") is None:
+            messages[-1] = {**last, "content": (last.get("content") or "") + step[1]}
+    return current
+
+
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(_chat_step, min_size=1, max_size=40), keyed=st.booleans(),
        max_bytes=st.sampled_from([0, 300, 1 << 20]))
@@ -147,21 +167,7 @@ def test_chat_hashes_rendering_only_new_messages_always_equal_the_full_hash(step
     tools: list = [None, None, None]
     current = 0
     for step in steps:
-        messages = sessions[current]
-        if step[0] == "append":
-            messages.append(step[1])
-        elif step[0] == "truncate":
-            del messages[min(step[1], len(messages)):]
-        elif step[0] == "edit" and messages:
-            messages[step[1] % len(messages)] = step[2]
-        elif step[0] == "tools":
-            tools[current] = step[1]
-        elif step[0] == "switch":
-            current = step[1]
-        elif step[0] == "grow" and messages and isinstance(messages[-1], dict):
-            last = messages[-1]
-            if isinstance(last.get("content"), str) or last.get("content") is None:
-                messages[-1] = {**last, "content": (last.get("content") or "") + step[1]}
+        current = _apply_chat_step(sessions, tools, current, step)
         body = {"model": "m", "messages": [dict(m) if isinstance(m, dict) else m for m in sessions[current]]}
         if tools[current]:
             body["tools"] = tools[current]
@@ -369,21 +375,7 @@ def test_chat_hashes_of_bodies_sharing_the_stored_messages_equal_the_full_hash(s
     tools: list = [None, None, None]
     current = 0
     for step in steps:
-        messages = sessions[current]
-        if step[0] == "append":
-            messages.append(step[1])
-        elif step[0] == "truncate":
-            del messages[min(step[1], len(messages)):]
-        elif step[0] == "edit" and messages:
-            messages[step[1] % len(messages)] = step[2]
-        elif step[0] == "tools":
-            tools[current] = step[1]
-        elif step[0] == "switch":
-            current = step[1]
-        elif step[0] == "grow" and messages and isinstance(messages[-1], dict):
-            last = messages[-1]
-            if isinstance(last.get("content"), str) or last.get("content") is None:
-                messages[-1] = {**last, "content": (last.get("content") or "") + step[1]}
+        current = _apply_chat_step(sessions, tools, current, step)
         body = {"model": "m", "messages": list(sessions[current])}  # the message objects themselves
         if tools[current]:
             body["tools"] = tools[current]

@@ -89,16 +89,14 @@ def _large_chat(tag: str, size: int) -> bytes:
         {"role": "user", "content": f"{tag} " + "é long text " * (size // 13)}]})
 
 
-async def test_large_bodies_in_pieces_with_the_next_request_behind_reach_the_replica_whole(
-        router, monkeypatch):
-    """A large Content-Length body is taken from the reads past the HTTP parser: it still
-    arrives byte for byte, split anywhere, and what follows it (the next request, pipelined in
-    the same write) is parsed as a request."""
+def _count_parser_feeds(monkeypatch) -> list[int]:
+    """Make the data port's connections count the bytes they feed their HTTP parser: the list
+    each feed's size is appended to (connections made after this call)."""
     import httptools
 
     from kvrouter.router import data_connection
 
-    fed = []
+    fed: list[int] = []
 
     class CountingParser(httptools.HttpRequestParser):
         def feed_data(self, data: bytes) -> None:
@@ -106,6 +104,15 @@ async def test_large_bodies_in_pieces_with_the_next_request_behind_reach_the_rep
             super().feed_data(data)
 
     monkeypatch.setattr(data_connection.httptools, "HttpRequestParser", CountingParser)
+    return fed
+
+
+async def test_large_bodies_in_pieces_with_the_next_request_behind_reach_the_replica_whole(
+        router, monkeypatch):
+    """A large Content-Length body is taken from the reads past the HTTP parser: it still
+    arrives byte for byte, split anywhere, and what follows it (the next request, pipelined in
+    the same write) is parsed as a request."""
+    fed = _count_parser_feeds(monkeypatch)
     up, _, connected = router
     port = connected.get_extra_info("peername")[1]  # a new connection gets the patched parser
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -127,18 +134,7 @@ async def test_a_large_body_that_came_with_its_head_is_not_fed_to_the_parser(rou
     """A read that holds a request's head and a large part of its body: the parser gets the
     head alone (it would copy the body into pieces of its own), and the body still reaches the
     replica byte for byte, with the request behind it in the same read parsed as one."""
-    import httptools
-
-    from kvrouter.router import data_connection
-
-    fed = []
-
-    class CountingParser(httptools.HttpRequestParser):
-        def feed_data(self, data: bytes) -> None:
-            fed.append(len(data))
-            super().feed_data(data)
-
-    monkeypatch.setattr(data_connection.httptools, "HttpRequestParser", CountingParser)
+    fed = _count_parser_feeds(monkeypatch)
     up, _, connected = router
     port = connected.get_extra_info("peername")[1]  # a new connection gets the patched parser
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -4,33 +4,20 @@ sets themselves, and the mean and range over sets in the report."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
 from kvrouter.loadtest.traces import trace_sessions
 
+from .benchmark_modules import load_benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "loadtest" / "data" / "traces" / "trace_0684.json"
-
-
-def _load(name: str) -> ModuleType:
-    path = ROOT / "benchmarks" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
 
 
 def _ids(arrivals) -> list[tuple[float, str, list[int]]]:
@@ -70,7 +57,7 @@ def _trace(path: Path, sizes: list[int], sub: int | None = None, gz: bool = Fals
 
 
 def test_selection_rule_takes_the_first_replayable_traces_in_order(tmp_path: Path) -> None:
-    sets = _load("session_sets")
+    sets = load_benchmark("session_sets")
     ok = [640] * 12
     files = [
         _trace(tmp_path / "trace_0001.json", ok),  # in set 1 already: skipped
@@ -95,7 +82,7 @@ def test_selection_rule_takes_the_first_replayable_traces_in_order(tmp_path: Pat
 
 
 def test_committed_sets_follow_the_rule_and_are_disjoint() -> None:
-    sets = _load("session_sets")
+    sets = load_benchmark("session_sets")
     reference = sorted((ROOT / "benchmarks" / "traces").glob("trace_*.json"))
     largest = sets.largest_request_tokens(reference)
     assert sets.available_sets()[:3] == [1, 2, 3]
@@ -127,7 +114,7 @@ def _set(number: int, bound: float, hits: dict[str, float], p95: dict[str, float
 
 
 def test_sets_report_gives_mean_range_and_judges_the_means(tmp_path: Path) -> None:
-    report = _load("live_sweep_report")
+    report = load_benchmark("live_sweep_report")
     a = _set(2, 0.90, {"me": 0.80, "peer": 0.70}, {"me": 1.0, "peer": 2.0})  # met: +8 points, 0.5x
     b = _set(3, 0.92, {"me": 0.70, "peer": 0.72}, {"me": 1.0, "peer": 1.0})  # missed on both
     for d in (a, b):
@@ -148,7 +135,7 @@ def test_sets_report_gives_mean_range_and_judges_the_means(tmp_path: Path) -> No
 
 
 def test_saved_single_set_results_still_render_as_committed() -> None:
-    report = _load("live_sweep_report")
+    report = load_benchmark("live_sweep_report")
     saved = ROOT / "docs" / "live-sweep"
     data = json.loads((saved / "results.json").read_text())
     assert "session_set" not in data
@@ -156,7 +143,7 @@ def test_saved_single_set_results_still_render_as_committed() -> None:
 
 
 def test_session_sets_option_names_existing_sets_only() -> None:
-    sweep = _load("live_sweep")
+    sweep = load_benchmark("live_sweep")
     assert sweep.parse_args(["--session-sets", "2,3"]).session_sets == [2, 3]
     assert sweep.parse_args([]).session_sets is None
     for bad in ("9", "2,2", "0"):
@@ -189,7 +176,7 @@ def test_routing_doc_other_sessions_quotes_the_saved_runs() -> None:
     import re
     import statistics
 
-    report = _load("live_sweep_report")
+    report = load_benchmark("live_sweep_report")
     doc = (ROOT / "docs" / "routing.md").read_text()
     section = doc[doc.index("## Other sessions"):doc.index("## Measured in the simulator")]
     runs = {1: ROOT / "docs/live-sweep/results.json", 2: ROOT / "docs/live-sweep/sets/set-2/results.json",
