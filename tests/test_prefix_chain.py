@@ -101,15 +101,7 @@ def test_always_equals_the_full_hash(steps, keyed, max_bytes):
     sessions: list[list[str]] = [["base"], ["base"], ["other"]]
     current = 0
     for step in steps:
-        messages = sessions[current]
-        if step[0] == "append":
-            messages.append(step[1])
-        elif step[0] == "truncate":
-            del messages[min(step[1], len(messages)):]
-        elif step[0] == "edit" and messages:
-            messages[step[1] % len(messages)] = step[2]
-        elif step[0] == "switch":
-            current = step[1]
+        current = _apply_chat_step(sessions, [None] * len(sessions), current, step)
         body = conversation(*sessions[current])
         session = f"s{current}" if keyed else None
         assert hashes_of(chains, body, session) == full(body)
@@ -139,7 +131,8 @@ _chat_step = st.one_of(
 
 
 def _apply_chat_step(sessions: list[list], tools: list, current: int, step: tuple) -> int:
-    """One generated step on the conversations (`sessions`, their `tools`); the current one after it."""
+    """One generated step on the conversations (`sessions`, their `tools`; plain-text or chat
+    messages alike); the current one after it."""
     messages = sessions[current]
     if step[0] == "append":
         messages.append(step[1])
