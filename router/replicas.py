@@ -200,10 +200,14 @@ class ReplicaRegistry:
         self._account(view, -1)
         view = _replaced(view, changes)
         self._account(view, 1)
+        self._install(url, view)
+        return view
+
+    def _install(self, url: str, view: ReplicaView) -> None:
+        """`view` is `url`'s current one (its totals already accounted): snapshots start anew."""
         self._views[url] = view
         self._loads[url] = view.load
         self._snapshot = None
-        return view
 
     def scan_for(self, snapshot: Snapshot) -> LoadScan | None:
         """The load scan of every healthy replica, kept as views change (`policies.domain.
@@ -296,9 +300,7 @@ class ReplicaRegistry:
         if new.fresh:  # last in the fresh order, as `_account` leaves a replaced view
             del self._fresh[url]
             self._fresh[url] = None
-        self._views[url] = new
-        self._loads[url] = new.load
-        self._snapshot = None
+        self._install(url, new)
 
     def set_peer_in_flight(self, url: str, requests: int) -> None:
         """The other routers' requests in flight on `url` (router/peer_share.py): counted in the
