@@ -3,11 +3,13 @@ side: fed by `Placement.reported` after a response, read when a request is summa
 
 - Calibration: bytes of the prompt (as the router renders it, router/prefix.py) per reported
   prompt token, per model (the request's prompt size) and per replica (the shadow index's block
-  size in tokens, hence its capacity in blocks). Starts at 4; each report moves the estimate by
-  `ewma_weight`, or by more while it has few reports (the starting 4 counts as one), clamped to
-  [1, 16], so it settles within tens of requests and one odd prompt cannot throw it. A replica's
-  own estimate starts from its model's and is used once it has MIN_OWN_REPORTS reports; until
-  then the replica follows the model's, so prompt sizes and index matches share one unit.
+  size in tokens, hence its capacity in blocks). Starts at 4, a guess that the first report
+  replaces (averaged in as a report, it kept a model at 8 bytes per token at 6 after one report
+  and 7.6 after ten, while a fleet's first sessions were placed); then the running mean of the
+  reports until `ewma_weight` takes over, clamped to [1, 16], so one odd prompt cannot throw it.
+  A replica's own estimate starts from its model's (counted as one report once the model has
+  some) and is used once it has MIN_OWN_REPORTS reports; until then the replica follows the
+  model's, so prompt sizes and index matches share one unit.
 - Index correction: a replica that reports fewer cached tokens than the index predicted evicted
   them, so it keeps less than the index holds for it: without a reported `max_total_num_tokens`,
   its effective capacity is learned (what the index holds minus what the engine had dropped; held
@@ -43,14 +45,16 @@ FOLLOW_STEP = 0.01
 
 
 class _Ewma:
-    __slots__ = ("value", "count")
+    __slots__ = ("value", "count", "reports")
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, weight_of_start: int = 1) -> None:
         self.value = value
-        self.count = 1  # the starting value counts as one observation
+        self.count = weight_of_start  # observations the starting value counts as (0: a guess)
+        self.reports = 0
 
     def add(self, x: float, weight: float) -> float:
         self.count += 1
+        self.reports += 1
         w = max(weight, 1.0 / self.count)  # a running mean until the EWMA weight takes over
         self.value += w * (x - self.value)
         return self.value
@@ -59,7 +63,7 @@ class _Ewma:
 def _ratio_estimate(table: dict[str, _Ewma], key: str) -> _Ewma:
     est = table.get(key)
     if est is None:
-        est = table[key] = _Ewma(DEFAULT_BYTES_PER_TOKEN)
+        est = table[key] = _Ewma(DEFAULT_BYTES_PER_TOKEN, weight_of_start=0)
     return est
 
 
@@ -144,12 +148,12 @@ class UsageLearner:
         model_est = _ratio_estimate(self._per_model, key)
         own = self._per_replica.get(replica)
         if own is None:  # a new replica starts from what its model's replicas report, not 4
-            own = self._per_replica[replica] = _Ewma(model_est.value)
+            own = self._per_replica[replica] = _Ewma(model_est.value, weight_of_start=min(1, model_est.count))
         value = model_est.add(ratio, self.weight)
         if self.metrics is not None:
             self.metrics.child(self.metrics.bytes_per_token, key).set(value)
         own.add(ratio, self.weight)
-        if own.count - 1 < MIN_OWN_REPORTS:
+        if own.reports < MIN_OWN_REPORTS:
             self._following[replica] = key
         else:
             self._following.pop(replica, None)

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from kvrouter.router.kv_index_shadow import ShadowKVIndex
-from kvrouter.router.learning import UsageLearner
+from kvrouter.router.learning import MIN_OWN_REPORTS, UsageLearner
 from kvrouter.router.prefix import namespace, prompt_bytes, text_block_hashes
 from kvrouter.router.usage import UsageReport
 
@@ -157,3 +157,20 @@ def test_a_new_replica_follows_its_models_ratio_so_prompt_and_index_share_one_un
     for _ in range(20):
         learner.observe("a", "m", UsageReport(1000, None), prompt_bytes=1500, predicted_cached=0, prefix_blocks=())
     assert abs(learner.replica_bytes_per_token("a") - 1.5) < 0.1
+
+
+def test_the_first_reports_replace_the_starting_ratio_instead_of_averaging_with_it() -> None:
+    """The starting 4 bytes per token is a guess, not a report: averaged in as one, a model at 8
+    read 6 after its first report and still 7.6 after its tenth, so the first sessions (placed
+    before the ratio settles) had their prompts, homed KV and KV room counted up to 2x."""
+    index = ShadowKVIndex(block_tokens=64, default_capacity_tokens=1_000_000)
+    learner = UsageLearner(block_chars=256, weight=0.1, index=index)
+    learner.observe("a", "m", UsageReport(1000, None), prompt_bytes=8000, predicted_cached=0, prefix_blocks=())
+    assert learner.bytes_per_token("m") == 8.0
+    assert index.block_tokens_of("a") == 32.0  # the index's block size in the same unit
+    learner.observe("b", "m", UsageReport(1000, None), prompt_bytes=7000, predicted_cached=0, prefix_blocks=())
+    assert learner.bytes_per_token("m") == 7.5  # a running mean of the reports alone
+    # a replica's own estimate starts from its model's reports (a real prior), counted as one
+    for _ in range(MIN_OWN_REPORTS):
+        learner.observe("b", "m", UsageReport(1000, None), prompt_bytes=7000, predicted_cached=0, prefix_blocks=())
+    assert 7.0 < learner.replica_bytes_per_token("b") < 7.1
