@@ -1,7 +1,7 @@
 """The data port's HTTP/1.1 server: listens, hands each connection to a `Connection`
-(router/data_connection.py: requests parsed by httptools, answers written with one transport
-write each), dispatches requests to the routes' handlers inside the middlewares, and writes
-response heads.
+(router/data_connection.py: requests parsed by httptools from reads into the server's one read
+buffer, answers written with one transport write each), dispatches requests to the routes'
+handlers inside the middlewares, and writes response heads.
 
 aiohttp's web server spent about a third of the router's CPU on a small proxied request
 (request and response objects, middleware wrappers, its payload streams); the data port needs
@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_connection import Connection
+from .data_connection import READ_BUFFER_BYTES, Connection
 from .data_http import Answer, Request
 
 Handler = Callable[[Request], Awaitable[Answer]]
@@ -53,6 +53,10 @@ class DataServer:
         self._date = b""
         self._date_at = 0.0
         self.addresses: list[Any] = []
+        # What every connection's socket reads go into (but a large body's): parsed, and so
+        # copied where kept, before the next read, so one buffer serves them all.
+        self.read_buffer = bytearray(READ_BUFFER_BYTES)
+        self.read_view = memoryview(self.read_buffer)
         # The handler chains, built once: middlewares around each route's handler.
         self._chains: dict[tuple[str, str], Handler] = {}
         for path, methods in routes.items():
