@@ -207,8 +207,11 @@ class Connection(asyncio.BufferedProtocol):
             left = self._body_length - request._size
             if left >= _DIRECT_BODY_BYTES:
                 self._direct_left = left
-                body = bytearray(left)  # the body's rest, filled in place (read once complete)
-                self._direct_body = memoryview(body)
+                # The body's rest is filled in place in a buffer of the server's (read once
+                # complete, then given back: no fresh buffer zeroed for each large body).
+                buffer = self.server.body_buffer(left)
+                request._lent = buffer
+                self._direct_body = body = memoryview(buffer)[:left]
                 self._direct_filled = 0
                 request._chunks.append(body)
 

@@ -29,6 +29,9 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # the server's to set
+# Large bodies' buffers kept for the next ones: at most this many, none over this size.
+_SPARE_BODIES = 4
+_MAX_SPARE_BODY_BYTES = 8 << 20
 
 
 class DataServer:
@@ -57,6 +60,7 @@ class DataServer:
         # copied where kept, before the next read, so one buffer serves them all.
         self.read_buffer = bytearray(READ_BUFFER_BYTES)
         self.read_view = memoryview(self.read_buffer)
+        self._spare_bodies: list[bytearray] = []  # large bodies' buffers, read and given back
         # The handler chains, built once: middlewares around each route's handler.
         self._chains: dict[tuple[str, str], Handler] = {}
         for path, methods in routes.items():
@@ -68,6 +72,26 @@ class DataServer:
         for middleware in reversed(self.middlewares):
             handler = functools.partial(middleware, handler=handler)
         return handler
+
+    def body_buffer(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes for a large request body to be read into: the
+        smallest spare that fits, else a new one with room for a conversation's next turns
+        (each resends the last one's body and a little more)."""
+        spares = self._spare_bodies
+        for i, buffer in enumerate(spares):  # (smallest first)
+            if len(buffer) >= size:
+                return spares.pop(i)
+        return bytearray(size + (size >> 3))
+
+    def give_body_buffer(self, buffer: bytearray) -> None:
+        """A body buffer whose body has been read out (nothing refers to its bytes any more)."""
+        if len(buffer) > _MAX_SPARE_BODY_BYTES:
+            return
+        spares = self._spare_bodies
+        spares.append(buffer)
+        spares.sort(key=len)
+        if len(spares) > _SPARE_BODIES:
+            del spares[0]  # the smallest: the least likely to fit the next
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         self.loop = asyncio.get_running_loop()
