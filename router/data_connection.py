@@ -47,7 +47,9 @@ _QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before read
 # A Content-Length body with this much left once its head is parsed is read into a buffer of
 # its own length, not through the parser (which would copy it once more, into its own pieces).
 _DIRECT_BODY_BYTES = 64 * 1024
-READ_BUFFER_BYTES = 256 * 1024  # the server's read buffer (what uvloop reads into unbuffered)
+# The server's read buffer: a whole small request, or a large one's head and its body's first
+# bytes, which are copied out of it (the rest of a large body is read into its own buffer).
+READ_BUFFER_BYTES = _DIRECT_BODY_BYTES
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
 # Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
 _SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
