@@ -3,8 +3,8 @@ httptools (llhttp, the parser uvicorn uses) and answered one at a time, each who
 transport write (router/data_server.py serves them).
 
 Reads go into the server's one read buffer and are parsed from there (the parser copies what it
-keeps), but for a large Content-Length body: the socket reads it straight into a buffer of its
-length, with no copy of each read into a bytes object of its own and no join of the pieces.
+keeps), but a large Content-Length body's: the socket reads it straight into a buffer of its
+length (no copy of each read into a bytes object; the body's one copy is its join into bytes).
 
 One request at a time per connection: requests a client pipelines are parsed as they arrive and
 served in order. A client that goes away cancels the handler of its request (the relay then
@@ -156,13 +156,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._received(self.server.read_view[:nbytes], self.server.read_buffer)
 
-    def data_received(self, data: bytes | memoryview) -> None:
-        """Bytes read by a transport that does not read into `get_buffer`'s buffers."""
+    def data_received(self, data: bytes | memoryview) -> None:  # (a transport that has no buffers)
         self._received(data, data if type(data) is bytes else None)
 
     def _received(self, data: bytes | memoryview, searchable: bytes | bytearray | None) -> None:
-        """Parse `data`; `searchable` holds the same bytes from offset 0 (to find a head's end in
-        without a copy), or is None."""
+        """Parse `data`; `searchable`: the same bytes from offset 0 (to search without a copy)."""
         if self.closing or self.upgraded or self._input_closed:
             return
         if searchable is not None and len(data) > _DIRECT_BODY_BYTES and self._parsing is None \
@@ -209,8 +207,7 @@ class Connection(asyncio.BufferedProtocol):
             left = self._body_length - request._size
             if left >= _DIRECT_BODY_BYTES:
                 self._direct_left = left
-                # The body's rest is filled in place in a buffer of the server's (read once
-                # complete, then given back: no fresh buffer zeroed for each large body).
+                # (a buffer of the server's, given back once the body is read out)
                 buffer = self.server.body_buffer(left)
                 request._lent = buffer
                 self._direct_body = body = memoryview(buffer)[:left]
@@ -218,14 +215,11 @@ class Connection(asyncio.BufferedProtocol):
                 request._chunks.append(body)
 
     def _receive_direct(self, data: bytes | memoryview) -> bytes | memoryview:
-        """Copy the body's next bytes from `data` into its buffer (`_direct_received`).
-        Returns what is left of `data`."""
+        """Copy the body's next bytes from `data` into its buffer; returns the rest of `data`."""
         left = self._direct_left
         piece, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
-        body = self._direct_body
-        assert body is not None
         filled = self._direct_filled
-        body[filled:filled + len(piece)] = piece
+        self._direct_body[filled:filled + len(piece)] = piece  # type: ignore[index]
         self._direct_received(len(piece))
         return rest
 
