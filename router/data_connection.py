@@ -1,6 +1,10 @@
-"""One data-port client connection: an asyncio Protocol whose requests are parsed by httptools
-(llhttp, the parser uvicorn uses) and answered one at a time, each whole answer in one transport
-write (router/data_server.py serves them).
+"""One data-port client connection: an asyncio buffered protocol whose requests are parsed by
+httptools (llhttp, the parser uvicorn uses) and answered one at a time, each whole answer in one
+transport write (router/data_server.py serves them).
+
+Reads go into the server's one read buffer and are parsed from there (the parser copies what it
+keeps), but a large Content-Length body's: the socket reads it straight into a buffer of its
+length (no copy of each read into a bytes object; the body's one copy is its join into bytes).
 
 One request at a time per connection: requests a client pipelines are parsed as they arrive and
 served in order. A client that goes away cancels the handler of its request (the relay then
@@ -40,9 +44,12 @@ _MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones
 _MAX_HEAD_BYTES = _MAX_HEADERS_TOTAL + 2 * _MAX_HEADER_BYTES
 _MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
 _QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
-# A Content-Length body with this much left once its head is parsed is taken from the reads
-# as they come, not through the parser (which would copy it once more, into its own pieces).
+# A Content-Length body with this much left once its head is parsed is read into a buffer of
+# its own length, not through the parser (which would copy it once more, into its own pieces).
 _DIRECT_BODY_BYTES = 64 * 1024
+# The server's read buffer: a whole small request, or a large one's head and its body's first
+# bytes, which are copied out of it (the rest of a large body is read into its own buffer).
+READ_BUFFER_BYTES = _DIRECT_BODY_BYTES
 _MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
 # Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
 _SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
@@ -50,7 +57,7 @@ _SINGLETONS = frozenset({"authorization", "content-length", "content-location", 
                          "transfer-encoding", "user-agent"})
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     """One client connection: parses requests, serves them one at a time, keeps alive."""
 
     def __init__(self, server: DataServer) -> None:
@@ -78,6 +85,8 @@ class Connection(asyncio.Protocol):
         self._reading_paused = False
         self._body_length: int | None = None  # the Content-Length of the body being parsed
         self._direct_left = 0  # body bytes still to come past the parser (`_receive_direct`)
+        self._direct_body: memoryview | None = None  # where they go: a buffer of the body's length
+        self._direct_filled = 0  # bytes of `_direct_body` received
         self._input_closed = False  # a request that closes the connection has come: no more are read
 
     # -- transport events -----------------------------------------------------------------------
@@ -132,17 +141,36 @@ class Connection(asyncio.Protocol):
             finally:
                 self._drain = None
 
-    def data_received(self, data: bytes | memoryview) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the transport reads next: the rest of a large body's buffer while one is being
+        received, else the server's read buffer (parsed, and so copied, before the next read)."""
+        body = self._direct_body
+        if body is not None:
+            return body[self._direct_filled:]
+        return self.server.read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._direct_body is not None:
+            if not self.closing:
+                self._direct_received(nbytes)
+            return
+        self._received(self.server.read_view[:nbytes], self.server.read_buffer)
+
+    def data_received(self, data: bytes | memoryview) -> None:  # (a transport that has no buffers)
+        self._received(data, data if type(data) is bytes else None)
+
+    def _received(self, data: bytes | memoryview, searchable: bytes | bytearray | None) -> None:
+        """Parse `data`; `searchable`: the same bytes from offset 0 (to search without a copy)."""
         if self.closing or self.upgraded or self._input_closed:
             return
-        if type(data) is bytes and len(data) > _DIRECT_BODY_BYTES and self._parsing is None \
+        if searchable is not None and len(data) > _DIRECT_BODY_BYTES and self._parsing is None \
                 and not self._in_head:
             # A large read that begins a request: the parser gets its head alone, so that a
             # large body that came with it is taken past the parser (which would copy it) too.
-            end = data.find(b"\r\n\r\n", 0, _MAX_HEAD_BYTES)
+            end = searchable.find(b"\r\n\r\n", 0, min(len(data), _MAX_HEAD_BYTES))
             if 0 < end and end + 4 < len(data):
                 view = memoryview(data)
-                self.data_received(view[:end + 4])
+                self._received(view[:end + 4], None)
                 data = view[end + 4:]
                 if self.closing or self.upgraded or self._input_closed:
                     return
@@ -179,20 +207,35 @@ class Connection(asyncio.Protocol):
             left = self._body_length - request._size
             if left >= _DIRECT_BODY_BYTES:
                 self._direct_left = left
+                # (a buffer of the server's, given back once the body is read out)
+                buffer = self.server.body_buffer(left)
+                request._lent = buffer
+                self._direct_body = body = memoryview(buffer)[:left]
+                self._direct_filled = 0
+                request._chunks.append(body)
 
     def _receive_direct(self, data: bytes | memoryview) -> bytes | memoryview:
-        """Take the body's next bytes from `data` as they are (a read wholly body is kept, not
-        copied; the body after a head in the same read is a view of it); once it is whole, the
-        request is complete and a new parser (the old one still counts the body) takes what
-        follows. Returns what is left of `data`."""
+        """Copy the body's next bytes from `data` into its buffer; returns the rest of `data`."""
         left = self._direct_left
         piece, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
-        self._direct_left = left - len(piece)
-        self.on_body(piece)
+        filled = self._direct_filled
+        self._direct_body[filled:filled + len(piece)] = piece  # type: ignore[index]
+        self._direct_received(len(piece))
+        return rest
+
+    def _direct_received(self, nbytes: int) -> None:
+        """`nbytes` more of the body are in its buffer; once it is whole, the request is complete
+        and a new parser (the old one still counts the body) takes what follows."""
+        self._direct_filled += nbytes
+        self._direct_left -= nbytes
+        request = self._parsing
+        if request is not None and not request._too_large:
+            request._size += nbytes
+            self._pause_if_queued(request)
         if not self._direct_left:
+            self._direct_body = None
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()
-        return rest
 
     # -- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -289,6 +332,9 @@ class Connection(asyncio.Protocol):
             request._wake()
             return
         request._chunks.append(body)
+        self._pause_if_queued(request)
+
+    def _pause_if_queued(self, request: Request) -> None:
         if request._size > _QUEUED_BODY_BYTES and self._serving not in (None, request) \
                 and not self._reading_paused:
             # A request queued behind the one being served: nobody reads its body yet, and

@@ -1,7 +1,7 @@
 """The data port's HTTP/1.1 server: listens, hands each connection to a `Connection`
-(router/data_connection.py: requests parsed by httptools, answers written with one transport
-write each), dispatches requests to the routes' handlers inside the middlewares, and writes
-response heads.
+(router/data_connection.py: requests parsed by httptools from reads into the server's one read
+buffer, answers written with one transport write each), dispatches requests to the routes'
+handlers inside the middlewares, and writes response heads.
 
 aiohttp's web server spent about a third of the router's CPU on a small proxied request
 (request and response objects, middleware wrappers, its payload streams); the data port needs
@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_connection import Connection
+from .data_connection import READ_BUFFER_BYTES, Connection
 from .data_http import Answer, Request
 
 Handler = Callable[[Request], Awaitable[Answer]]
@@ -29,6 +29,9 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # the server's to set
+# Large bodies' buffers kept for the next ones: at most this many, none over this size.
+_SPARE_BODIES = 4
+_MAX_SPARE_BODY_BYTES = 8 << 20
 
 
 class DataServer:
@@ -53,6 +56,11 @@ class DataServer:
         self._date = b""
         self._date_at = 0.0
         self.addresses: list[Any] = []
+        # What every connection's socket reads go into (but a large body's): parsed, and so
+        # copied where kept, before the next read, so one buffer serves them all.
+        self.read_buffer = bytearray(READ_BUFFER_BYTES)
+        self.read_view = memoryview(self.read_buffer)
+        self._spare_bodies: list[bytearray] = []  # large bodies' buffers, read and given back
         # The handler chains, built once: middlewares around each route's handler.
         self._chains: dict[tuple[str, str], Handler] = {}
         for path, methods in routes.items():
@@ -64,6 +72,26 @@ class DataServer:
         for middleware in reversed(self.middlewares):
             handler = functools.partial(middleware, handler=handler)
         return handler
+
+    def body_buffer(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes for a large request body to be read into: the
+        smallest spare that fits, else a new one with room for a conversation's next turns
+        (each resends the last one's body and a little more)."""
+        spares = self._spare_bodies
+        for i, buffer in enumerate(spares):  # (smallest first)
+            if len(buffer) >= size:
+                return spares.pop(i)
+        return bytearray(size + (size >> 3))
+
+    def give_body_buffer(self, buffer: bytearray) -> None:
+        """A body buffer whose body has been read out (nothing refers to its bytes any more)."""
+        if len(buffer) > _MAX_SPARE_BODY_BYTES:
+            return
+        spares = self._spare_bodies
+        spares.append(buffer)
+        spares.sort(key=len)
+        if len(spares) > _SPARE_BODIES:
+            del spares[0]  # the smallest: the least likely to fit the next
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         self.loop = asyncio.get_running_loop()

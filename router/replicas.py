@@ -33,6 +33,7 @@ _VIEW_INDEX = {name: i for i, name in enumerate(_VIEW_FIELDS)}
 _view_values = attrgetter(*_VIEW_FIELDS)
 _IN_FLIGHT_INDEX = tuple(_VIEW_INDEX[name] for name in
                          ("in_flight", "in_flight_prompt_tokens", "pending_prefill_tokens"))
+_HOMED_INDEX = tuple(_VIEW_INDEX[name] for name in ("homed_sessions", "homed_tokens"))
 
 # A frozen dataclass's __init__ sets each field through object.__setattr__ (a generic attribute
 # lookup and call per field); a new view, and a new snapshot, are made once per decision at any
@@ -90,6 +91,9 @@ class ReplicaRegistry:
         # In-flight (requests, prompt tokens, pending prefill tokens) of replicas whose view does not
         # carry them yet.
         self._in_flight: dict[str, tuple[int, int, int]] = {}
+        # Homed sessions and tokens likewise (a session's tokens grow each turn: every keyed
+        # request changes its home's), noted until the view is next read.
+        self._homed: dict[str, tuple[int, int]] = {}
         # Fleet aggregates kept up to date on every change, so snapshots need no scan.
         self._healthy_load = 0
         self._healthy_count = 0
@@ -133,6 +137,7 @@ class ReplicaRegistry:
         if view is None:
             return False
         self._in_flight.pop(url, None)
+        self._homed.pop(url, None)
         del self._loads[url]
         self._account(view, -1)
         self._failures.pop(url, None)
@@ -161,8 +166,8 @@ class ReplicaRegistry:
         return list(self._views)
 
     def view(self, url: str) -> ReplicaView | None:
-        if url in self._in_flight:
-            self._apply_in_flight(url)
+        if url in self._in_flight or url in self._homed:
+            self._apply_noted(url)
         return self._views.get(url)
 
     def healthy(self, url: str) -> bool:
@@ -180,9 +185,10 @@ class ReplicaRegistry:
     def snapshot(self) -> Snapshot:
         """The current views. `by_id` is a read-only window on the live table: consistent with
         `replicas` for as long as a synchronous policy call lasts, which is all a policy gets."""
-        if self._in_flight:
-            for url in list(self._in_flight):
-                self._apply_in_flight(url)
+        if self._in_flight or self._homed:
+            for url in [*self._in_flight, *self._homed]:
+                if url in self._in_flight or url in self._homed:  # (not applied with the other)
+                    self._apply_noted(url)
         if self._snapshot is None:
             self._snapshot = _new_snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
@@ -192,8 +198,8 @@ class ReplicaRegistry:
         return self._snapshot
 
     def _update(self, url: str, **changes: Any) -> ReplicaView | None:
-        if url in self._in_flight:
-            self._apply_in_flight(url)
+        if url in self._in_flight or url in self._homed:
+            self._apply_noted(url)
         view = self._views.get(url)
         if view is None:
             return None
@@ -231,9 +237,15 @@ class ReplicaRegistry:
         self._update(url, **values)
 
     def set_homed(self, url: str, sessions: int, tokens: int) -> None:
+        """Note `url`'s homed sessions and tokens; its view (and the snapshot) change when next
+        read, once for this and the in-flight counts noted meanwhile."""
         view = self._views.get(url)
-        if view is not None and (view.homed_sessions, view.homed_tokens) != (sessions, tokens):
-            self._update(url, homed_sessions=sessions, homed_tokens=tokens)
+        if view is None:
+            return
+        if (sessions, tokens) == (view.homed_sessions, view.homed_tokens):
+            self._homed.pop(url, None)  # back to what the view says: nothing to rebuild
+        else:
+            self._homed[url] = (sessions, tokens)
 
     def mark_settled(self, url: str) -> None:
         """A fresh replica has caught up with the cluster: no longer preferred."""
@@ -281,17 +293,22 @@ class ReplicaRegistry:
         else:
             self._in_flight[url] = (requests, tokens, pending)
 
-    def _apply_in_flight(self, url: str) -> None:
-        """`_update(url, in_flight=..., in_flight_prompt_tokens=..., pending_prefill_tokens=...)`
-        for the noted counts: only the view's load changes of what `_account` adds up (and the
-        view itself, in the load index)."""
-        counts = self._in_flight.pop(url)
+    def _apply_noted(self, url: str) -> None:
+        """`_update(url, in_flight=..., in_flight_prompt_tokens=..., pending_prefill_tokens=...,
+        homed_sessions=..., homed_tokens=...)` for the noted counts: only the view's load changes
+        of what `_account` adds up (and the view itself, in the load index)."""
+        counts = self._in_flight.pop(url, None)
+        homed = self._homed.pop(url, None)
         view = self._views.get(url)
         if view is None:
             return
         values = list(_view_values(view))
-        for index, count in zip(_IN_FLIGHT_INDEX, counts):
-            values[index] = count
+        if counts is not None:
+            for index, count in zip(_IN_FLIGHT_INDEX, counts):
+                values[index] = count
+        if homed is not None:
+            for index, count in zip(_HOMED_INDEX, homed):
+                values[index] = count
         new = _new_view(values)
         if new.healthy:
             self._healthy_load += new.load - view.load

@@ -1,6 +1,8 @@
 """Large Content-Length bodies taken past the HTTP parser (router/data_connection.py) give the
 same requests, bodies, answers and connection ends as the parser path, however the client's
-bytes are split into reads.
+bytes are split into reads, whether they come as bytes (`data_received`) or are read into the
+buffers the connection hands out (`get_buffer`, `buffer_updated`, as uvloop and asyncio's own
+transports read a buffered protocol).
 
 The real `Connection` and `DataServer` (routes, the errors middleware) are driven through an
 in-memory transport: the split of the bytes into reads is what is varied, and a loopback socket
@@ -99,7 +101,20 @@ _request = st.fixed_dictionaries({
 })
 
 
-async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: bool) -> Any:
+def _read_into_buffers(conn: Connection, data: bytes) -> None:
+    """What a transport does with one read's worth of bytes for a buffered protocol: fill the
+    buffer `get_buffer` hands out (never past its end), report it, and so on to the last byte."""
+    while data:
+        buffer = conn.get_buffer(-1)
+        assert len(buffer) > 0
+        n = min(len(buffer), len(data))
+        buffer[:n] = data[:n]
+        conn.buffer_updated(n)
+        data = data[n:]
+
+
+async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: bool,
+                  buffered: bool = False) -> Any:
     """Feed `wire` in the reads `cuts` make (the client going away before read `drop_at`) and
     return everything observable: the requests the handlers saw, the bytes written (Date
     fields aside), when the connection closed, and at which read it stayed paused. "/slow" is
@@ -152,7 +167,10 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
                 if transport.paused:
                     stuck_at = n
                     break
-            conn.data_received(wire[start:end])
+            if buffered:
+                _read_into_buffers(conn, wire[start:end])
+            else:
+                conn.data_received(wire[start:end])
         gate.set()
         for _ in range(30):
             await asyncio.sleep(0)
@@ -177,8 +195,8 @@ def test_direct_bodies_serve_exactly_as_the_parser_path_at_any_split(requests, d
     cuts = sorted({c for c in data.draw(st.lists(cut, max_size=8), label="cuts") if 0 < c < len(wire)})
     drop_at = data.draw(st.one_of(st.none(), st.integers(0, len(cuts))), label="drop_at")
     old = asyncio.run(_served(wire, cuts, drop_at, direct=False))
-    new = asyncio.run(_served(wire, cuts, drop_at, direct=True))
-    assert new == old
+    assert asyncio.run(_served(wire, cuts, drop_at, direct=True)) == old
+    assert asyncio.run(_served(wire, cuts, drop_at, direct=True, buffered=True)) == old
 
 
 # No body, a short one, or any (a chunked one, one sent with no framing at all among them)
@@ -205,8 +223,8 @@ def test_large_reads_that_begin_a_request_serve_exactly_as_the_parser_path(reque
     cuts = sorted(c for c in edges if 0 < c < len(wire))
     drop_at = data.draw(st.one_of(st.none(), st.integers(0, len(cuts))), label="drop_at")
     old = asyncio.run(_served(wire, cuts, drop_at, direct=False))
-    new = asyncio.run(_served(wire, cuts, drop_at, direct=True))
-    assert new == old
+    assert asyncio.run(_served(wire, cuts, drop_at, direct=True)) == old
+    assert asyncio.run(_served(wire, cuts, drop_at, direct=True, buffered=True)) == old
 
 
 @pytest.mark.parametrize("size", [100, 2 * DIRECT], ids=["parsed-body", "direct-body"])
@@ -263,3 +281,86 @@ async def test_a_large_content_length_with_a_transfer_encoding_is_refused_not_re
     seen, out, closed_after, _, closing = await _served(wire, [head, head + 10], None, direct=True)
     assert not seen and closing and out.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in out
     assert closed_after is not None
+
+
+async def test_a_large_body_is_read_straight_into_a_buffer_of_its_length() -> None:
+    """Once a large body's head is parsed, the connection hands the transport the rest of a
+    buffer as long as the body (not the server's shared read buffer), and the handler gets the
+    body whole from it; the next request's reads go to the shared buffer again."""
+    seen: list[bytes] = []
+
+    async def echo(request: Request) -> web.Response:
+        body = await request.read()
+        seen.append(body)
+        return web.Response(body=b"%d" % len(body))
+
+    server = DataServer({"/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    size = 2 * DIRECT + 123
+    body = _body(3, size)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+    assert conn.get_buffer(-1).obj is server.read_buffer
+    _read_into_buffers(conn, head + body[:1000])
+    buffer = conn.get_buffer(-1)
+    assert buffer.obj is not server.read_buffer and len(buffer) == size - 1000
+    buffer[:size - 1000] = body[1000:]
+    conn.buffer_updated(size - 1000)
+    for _ in range(50):
+        if seen:
+            break
+        await asyncio.sleep(0)
+    assert seen == [body] and type(seen[0]) is bytes
+    assert conn.get_buffer(-1).obj is server.read_buffer
+    for _ in range(50):
+        if transport.written:
+            break
+        await asyncio.sleep(0)
+    assert b"".join(transport.written).endswith(b"\r\n\r\n%d" % size)
+    # The next large body (a little shorter here) is read into the same buffer, read out
+    # whole, and the first body, already handed over, is unchanged.
+    second = _body(4, size - 5000)
+    _read_into_buffers(conn, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(second))
+    assert conn.get_buffer(-1).obj is buffer.obj
+    _read_into_buffers(conn, second)
+    for _ in range(50):
+        if len(seen) == 2:
+            break
+        await asyncio.sleep(0)
+    assert seen == [body, second]
+
+
+async def test_a_body_not_yet_read_keeps_its_buffer_from_the_next_large_body() -> None:
+    """A large body complete but not yet read by its handler (queued behind a slow answer)
+    while the next large body arrives: the later one gets a buffer of its own, and each
+    handler reads its own body."""
+    gate = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def hold(request: Request) -> web.Response:
+        await gate.wait()
+        seen.append(await request.read())
+        return web.Response(body=b"held")
+
+    server = DataServer({"/hold": {"POST": hold}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    # a spare that fits both: only the ownership rule keeps the second out of the first's
+    server.give_body_buffer(bytearray(4 * DIRECT))
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    first, second = _body(5, 2 * DIRECT), _body(6, 2 * DIRECT + 77)
+    for body in (first, second):
+        _read_into_buffers(conn, b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        _read_into_buffers(conn, body)
+        await asyncio.sleep(0)
+    gate.set()
+    for _ in range(100):
+        if len(seen) == 2:
+            break
+        await asyncio.sleep(0)
+    assert seen == [first, second]

@@ -83,6 +83,39 @@ def test_a_request_that_ends_before_the_next_read_leaves_the_view_and_snapshot()
     assert registry.view(A) is None and [v.id for v in registry.snapshot().replicas] == [B]
 
 
+def test_a_session_home_changed_meanwhile_is_applied_with_the_in_flight_counts_on_the_next_read():
+    """A keyed turn changes its home's homed tokens at claim and at release, around its
+    dispatch and completion: the view and snapshot are rebuilt once, when next read, with all
+    of it; a change undone before that rebuilds nothing."""
+    registry = ReplicaRegistry([A, B])
+    before = registry.snapshot()
+    registry.set_homed(A, 1, 500)
+    registry.dispatched(A, 500)
+    registry.set_homed(A, 0, 0)
+    registry.completed(A, 500)
+    assert registry.snapshot() is before  # all undone: nothing to rebuild
+    view = registry.view(A)
+    registry.set_homed(A, 1, 500)
+    registry.dispatched(A, 500)
+    registry.completed(A, 500)
+    registry.set_homed(A, 1, 900)
+    assert registry._views[A] is view  # noted, not yet rebuilt
+    after = registry.snapshot()
+    assert after is not before and after.get(A) == dataclasses.replace(view, homed_sessions=1, homed_tokens=900)
+    assert after.get(A).in_flight == 0 and after.loads == (0, 0)
+    # every other way in sees them too: a view read, another change, a removal
+    registry.set_homed(B, 2, 40)
+    assert registry.view(B).homed_sessions == 2 and registry.view(B).homed_tokens == 40
+    registry.set_homed(B, 3, 50)
+    registry.record_success(B)
+    registry.mark_settled(B)
+    registry.set_peer_in_flight(B, 2)
+    assert (registry.view(B).homed_sessions, registry.view(B).peer_in_flight) == (3, 2)
+    registry.set_homed(A, 4, 4)
+    registry.remove(A)
+    assert registry.view(A) is None and [v.id for v in registry.snapshot().replicas] == [B]
+
+
 def _slots(obj: object) -> dict[str, object]:
     """Every field, the ones equality skips (load, cost_terms, memo) too."""
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
