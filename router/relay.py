@@ -395,7 +395,10 @@ class Relay:
     ) -> Answer:
         url = attempt.url
         response = StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)  # headers are buffered until the first body write
+        await response.prepare(request)  # headers are buffered until the first body write,
+        if sse and upstream.waiting:  # unless no event has come yet (the replica prefills):
+            response.send_head()  # then the client takes in the head meanwhile, as it would
+            # from the replica itself (an OpenAI SDK client spends a few hundred us on it)
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
         # event, its connection is cut, so the blocked write fails and the slot is released.
