@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections import deque
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
@@ -83,12 +82,9 @@ class Connection(asyncio.Protocol):
     # -- transport events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        # No TCP_NODELAY here: uvloop and asyncio set it on every TCP transport they make, and
+        # asking for the socket object costs a new connection four syscalls (an OpenAI SDK
+        # client opens one per streamed request). tests/test_dataplane_wire.py checks it is on.
         self.server.connections.add(self)
         self._idle()
 
