@@ -1,7 +1,7 @@
 """Streaming time to first byte at C=1, small prompt, as benchmarks/dataplane.py's scenario (a)
 measures it (the same three clients: aiohttp, async httpx, the OpenAI SDK), with each sample kept:
-per round every target is asked once, one after the other, so a router's sample can be paired
-with the direct one of the same round (the median of those differences moves less on a busy
+per round every target is asked once, one after the other (each round starting one target
+later), so a router's sample can be paired with the direct one of the same round (the median of those differences moves less on a busy
 machine than the difference of two medians; both are printed).
 
     python benchmarks/ttfb_c1.py [--requests 150] [--repeats 3] [--first-event-ms 0] \\
@@ -54,9 +54,13 @@ async def rounds(targets: dict[str, str], n: int, clients: list[str]) -> dict[st
     }
     out: dict[str, dict[str, list[float]]] = {c: {t: [] for t in targets} for c in clients}
     try:
+        order = list(targets.items())
         for i in range(n + 5):
+            # Each round starts one target later: each is asked after each of the others equally
+            # often (the one before it may still be tidying up its last request).
+            turn = order[i % len(order):] + order[:i % len(order)]
             for c in clients:
-                for t, url in targets.items():
+                for t, url in turn:
                     first, _ = await runners[c](t, url)
                     if i >= 5:
                         out[c][t].append(first * 1e3)
