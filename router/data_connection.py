@@ -7,8 +7,9 @@ served in order. A client that goes away cancels the handler of its request (the
 aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
 error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
 streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
-first body bytes (or alone, when the relay has none to send yet). HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
-gets no next pipelined answer until it drains the last one.
+first body bytes (or alone, when the relay has none to send for a while). HEAD, 1xx, 204 and
+304 answers carry no body. A client that stops reading gets no next pipelined answer until it
+drains the last one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Wire-level guarantees of the relay (no timing assertions):
 
 - a streamed response's status line and headers leave in the same write as its first event when
-  that event has come with the replica's headers (one read for the client), and at once, alone,
-  when it has not (the client takes in the head while the replica prefills, as it would from the
-  replica itself); checked at the socket;
+  that event comes with the replica's headers or shortly after (one read for the client), and
+  alone when it does not (the client takes in the head while the replica prefills, as it would
+  from the replica itself); checked at the socket;
 - TCP_NODELAY on both of the router's sockets (client side and replica side);
 - a stream's last bytes leave in the same write as the end of the chunked body once the
   replica's end has arrived with them (one write, not two);
@@ -19,6 +19,7 @@ import socket
 import aiohttp
 from aiohttp import web
 
+from kvrouter.router import relay as relay_module
 from kvrouter.router.app import Router
 from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site
@@ -122,15 +123,16 @@ async def test_headers_leave_with_a_first_event_that_came_with_them_and_nodelay_
         server.close()
 
 
-async def test_headers_leave_at_once_while_the_replica_holds_its_first_event(start_app):
-    first = b'data: {"n":0}\n\n'
-    release = asyncio.Event()
+def _head_then_event_upstream(first: bytes, release: asyncio.Event, pause_s: float = 0.0) -> web.Application:
+    """Sends its headers, then `first` in a write of its own once `release` is set and `pause_s`
+    has passed, then the end."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)  # (aiohttp sends its head now)
         await release.wait()
+        await asyncio.sleep(pause_s)
         await resp.write(first)
         await resp.write_eof()
         return resp
@@ -141,12 +143,38 @@ async def test_headers_leave_at_once_while_the_replica_holds_its_first_event(sta
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
-    router, runner, port = await _router(await start_app(app))
+    return app
+
+
+async def test_an_event_shortly_after_the_replicas_headers_leaves_with_them(start_app, monkeypatch):
+    monkeypatch.setattr(relay_module, "_HEAD_ALONE_AFTER_S", 5.0)  # "shortly": well within it
+    first = b'data: {"n":0}\n\n'
+    release = asyncio.Event()
+    release.set()
+    router, runner, port = await _router(await start_app(_head_then_event_upstream(first, release, 0.05)))
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         _post(writer)
         await writer.drain()
-        # The replica holds its first event until the client has the head: it must come alone.
+        head = await asyncio.wait_for(reader.read(65536), 10)
+        # The replica's head and its first event came in two reads 50 ms apart: one write.
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert first in head, head
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_headers_leave_alone_while_the_replica_holds_its_first_event(start_app):
+    first = b'data: {"n":0}\n\n'
+    release = asyncio.Event()
+    router, runner, port = await _router(await start_app(_head_then_event_upstream(first, release)))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _post(writer)
+        await writer.drain()
+        # The replica holds its first event until the client has the head: it comes alone
+        # (once _HEAD_ALONE_AFTER_S has passed).
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"transfer-encoding: chunked" in head.lower(), head
