@@ -3,7 +3,8 @@
 POST /v1/chat/completions answers a small JSON body, or with "stream": true, `max_tokens` SSE events
 (each `chat.completion.chunk`, carrying `"t"`: the upstream's CLOCK_MONOTONIC in ns when it was
 written, so a client on the same host can measure per-chunk delivery latency)
-`metadata.interval_ms` apart, then `data: [DONE]`.
+`metadata.interval_ms` apart, then `data: [DONE]`. With `--first-event-ms`, the first event comes
+that long after the response headers, as a replica's prefill would delay it.
 
 Three HTTP stacks serve the same bytes:
 - `uvicorn` (default when installed): FastAPI on uvicorn with uvloop + httptools, SGLang's own
@@ -13,7 +14,7 @@ Three HTTP stacks serve the same bytes:
   It costs a fraction of the others' CPU, so a router in front of it is the bottleneck (the
   --workers scaling section needs that on a 2-core machine).
 
-Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp|raw] [--max-total-num-tokens N]
+Run: python benchmarks/upstream.py PORT [--server uvicorn|aiohttp|raw] [--max-total-num-tokens N] [--first-event-ms MS]
 """
 
 
@@ -48,7 +49,12 @@ def stream_params(body: dict) -> tuple[int, float]:
     return int(chunks), float(meta.get("interval_ms", 0)) / 1000
 
 
+FIRST_EVENT_S = 0.0  # the pause between the headers and the first event (--first-event-ms)
+
+
 async def events(chunks: int, interval: float) -> AsyncIterator[bytes]:
+    if FIRST_EVENT_S:
+        await asyncio.sleep(FIRST_EVENT_S)
     for i in range(chunks):
         yield chunk(i)
         if interval:
@@ -160,7 +166,11 @@ def main() -> None:
     parser.add_argument("--server", choices=("uvicorn", "aiohttp", "raw"), default="aiohttp")
     parser.add_argument("--max-total-num-tokens", type=int,
                         help="aiohttp only: serve /metrics reporting this KV capacity (else no /metrics)")
+    parser.add_argument("--first-event-ms", type=float, default=0.0,
+                        help="streams: pause this long between the headers and the first event")
     args = parser.parse_args()
+    global FIRST_EVENT_S
+    FIRST_EVENT_S = args.first_event_ms / 1000
     if args.server == "uvicorn":
         import uvicorn
 

@@ -11,15 +11,15 @@ served in order. A client that goes away cancels the handler of its request (the
 aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
 error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
 streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
-first body bytes. HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
-gets no next pipelined answer until it drains the last one.
+first body bytes (or alone, when the relay has none to send for a while). HEAD, 1xx, 204 and
+304 answers carry no body. A client that stops reading gets no next pipelined answer until it
+drains the last one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections import deque
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
@@ -92,12 +92,9 @@ class Connection(asyncio.BufferedProtocol):
     # -- transport events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        # No TCP_NODELAY here: uvloop and asyncio set it on every TCP transport they make, and
+        # asking for the socket object costs a new connection four syscalls (an OpenAI SDK
+        # client opens one per streamed request). tests/test_dataplane_wire.py checks it is on.
         self.server.connections.add(self)
         self._idle()
 

@@ -129,8 +129,8 @@ def bodiless(method: str, status: int) -> bool:
 
 class StreamResponse:
     """A response written as it goes: status line and headers leave with the first body bytes
-    (one segment: nothing for Nagle or delayed ACKs to hold back); chunked for HTTP/1.1
-    clients, ended by closing the connection for HTTP/1.0 ones."""
+    (one segment, one read for the client), or alone through `send_head` when those bytes are
+    not there yet; chunked for HTTP/1.1 clients, ended by closing the connection for HTTP/1.0 ones."""
 
     def __init__(self, *, status: int = 200, headers: Iterable[tuple[str, str]] | None = None) -> None:
         self.status = status
@@ -155,6 +155,18 @@ class StreamResponse:
             conn.must_close = True
         extra = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
         self._head = conn.server.head(self.status, self.headers, extra, keep)
+
+    def send_head(self) -> None:
+        """Sends the status line and headers now, before any body bytes (a no-op once they
+        went out). The client can take in the head (an SDK builds its response and stream
+        objects) while the body is still on its way."""
+        conn = self._conn
+        assert conn is not None, "StreamResponse.prepare() not called"
+        head = self._head
+        if head is None or conn.closing or conn.transport.is_closing():  # type: ignore[union-attr]
+            return
+        self._head = None
+        conn.transport.write(head)  # type: ignore[union-attr]
 
     async def write(self, data: bytes) -> None:
         conn = self._conn

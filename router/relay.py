@@ -54,6 +54,10 @@ _BROKEN_BODY = (UpstreamBodyError, UpstreamTimeout)
 
 # Past upstream.total_timeout_s a stream's error event gets this long to reach its client.
 _CLIENT_WRITE_GRACE_S = 10.0
+# A stream's first event that follows the replica's headers within this long leaves with them in
+# one write (one read for the client); past it (the replica prefills) the head goes out alone, and
+# the client takes it in (an OpenAI SDK client spends a few hundred us on it) while it waits.
+_HEAD_ALONE_AFTER_S = 0.001
 
 
 def _abort_client(request: Request) -> None:
@@ -396,16 +400,22 @@ class Relay:
         url = attempt.url
         response = StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)  # headers are buffered until the first body write
+        loop = request._conn.loop  # (the running loop: no getpid() to find it)
+        # ... or until _HEAD_ALONE_AFTER_S has passed with no event from the replica
+        head_alone = (loop.call_later(_HEAD_ALONE_AFTER_S, response.send_head)
+                      if sse and upstream.waiting else None)
         # A client that stops reading blocks our writes, and with them the upstream's timeouts
         # (reading from the replica pauses): past the total timeout plus a grace for the error
         # event, its connection is cut, so the blocked write fails and the slot is released.
-        watchdog = request._conn.loop.call_later(  # (the running loop: no getpid() to find it)
+        watchdog = loop.call_later(
             max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
             _abort_client, request)
         try:
             return await self._relay_body(request, response, upstream, attempt, sse, sent, usage, first)
         finally:
             watchdog.cancel()
+            if head_alone is not None:
+                head_alone.cancel()
 
     async def _relay_body(
         self,

@@ -81,6 +81,11 @@ class UpstreamResponse:
         return data
 
     @property
+    def waiting(self) -> bool:
+        """No body bytes, end or failure has arrived unread: the next `readany` waits."""
+        return not self._chunks and not self._done and self._error is None
+
+    @property
     def at_eof(self) -> bool:
         """The whole body has arrived and been read: the next `readany` returns b"". Lets the
         relay send its last bytes with the end of the response in one write."""

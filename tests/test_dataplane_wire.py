@@ -1,8 +1,9 @@
 """Wire-level guarantees of the relay (no timing assertions):
 
-- a streamed response's status line and headers leave in the same write as its first event, so
-  no client waits on a delayed ACK for the rest of a split response (checked at the socket: the
-  upstream holds its first event back, and the client's first recv() must already contain it);
+- a streamed response's status line and headers leave in the same write as its first event when
+  that event comes with the replica's headers or shortly after (one read for the client), and
+  alone when it does not (the client takes in the head while the replica prefills, as it would
+  from the replica itself); checked at the socket;
 - TCP_NODELAY on both of the router's sockets (client side and replica side);
 - a stream's last bytes leave in the same write as the end of the chunked body once the
   replica's end has arrived with them (one write, not two);
@@ -18,6 +19,7 @@ import socket
 import aiohttp
 from aiohttp import web
 
+from kvrouter.router import relay as relay_module
 from kvrouter.router.app import Router
 from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site
@@ -62,17 +64,42 @@ async def _router(replica: str) -> tuple[Router, web.AppRunner, int]:
     return router, runner, port
 
 
-async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(start_app):
-    first = b'data: {"n":0}\n\n'
-    replica = await start_app(scripted_upstream([first, b"data: [DONE]\n\n"], delay_s=0.2))
+async def _raw_upstream(first: bytes, rest: bytes, release: asyncio.Event) -> tuple[asyncio.Server, str]:
+    """A replica that writes its response head and `first` (a chunk of an SSE body) in one
+    write, then `rest` and the end once `release` is set."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(first), first))
+        await release.wait()
+        writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(rest), rest))
+        await writer.drain()
+        await reader.read()  # the router keeps the connection: wait for it to go
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _post(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+
+
+async def test_headers_leave_with_a_first_event_that_came_with_them_and_nodelay_on_both_sides():
+    first, rest = b'data: {"n":0}\n\n', b"data: [DONE]\n\n"
+    release = asyncio.Event()
+    server, replica = await _raw_upstream(first, rest, release)
     router, runner, port = await _router(replica)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+        _post(writer)
         await writer.drain()
         head = await asyncio.wait_for(reader.read(65536), 10)
-        # The upstream's own headers went out 0.2 s before its first event; the router's did not.
+        # The replica's first event came with its headers: both reach the client in one write.
         assert head.startswith(b"HTTP/1.1 200"), head
         assert first in head, head
         # Both of the router's sockets for this exchange have Nagle off.
@@ -83,9 +110,84 @@ async def test_headers_leave_with_the_first_event_and_nodelay_on_both_sides(star
         upstream_socks = [t.get_extra_info("socket") for t in router.relay.pool.connections()]
         assert upstream_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in upstream_socks)
-        await asyncio.wait_for(reader.read(65536), 10)
+        release.set()
+        body = b""
+        while not body.endswith(b"0\r\n\r\n"):
+            got = await asyncio.wait_for(reader.read(65536), 10)
+            assert got, body
+            body += got
+        assert rest in body
         writer.close()
     finally:
+        await runner.cleanup()
+        server.close()
+
+
+def _head_then_event_upstream(first: bytes, release: asyncio.Event, pause_s: float = 0.0) -> web.Application:
+    """Sends its headers, then `first` in a write of its own once `release` is set and `pause_s`
+    has passed, then the end."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # (aiohttp sends its head now)
+        await release.wait()
+        await asyncio.sleep(pause_s)
+        await resp.write(first)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def test_an_event_shortly_after_the_replicas_headers_leaves_with_them(start_app, monkeypatch):
+    monkeypatch.setattr(relay_module, "_HEAD_ALONE_AFTER_S", 5.0)  # "shortly": well within it
+    first = b'data: {"n":0}\n\n'
+    release = asyncio.Event()
+    release.set()
+    router, runner, port = await _router(await start_app(_head_then_event_upstream(first, release, 0.05)))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _post(writer)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(65536), 10)
+        # The replica's head and its first event came in two reads 50 ms apart: one write.
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert first in head, head
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_headers_leave_alone_while_the_replica_holds_its_first_event(start_app):
+    first = b'data: {"n":0}\n\n'
+    release = asyncio.Event()
+    router, runner, port = await _router(await start_app(_head_then_event_upstream(first, release)))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _post(writer)
+        await writer.drain()
+        # The replica holds its first event until the client has the head: it comes alone
+        # (once _HEAD_ALONE_AFTER_S has passed).
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert b"transfer-encoding: chunked" in head.lower(), head
+        release.set()
+        body = b""
+        while not body.endswith(b"0\r\n\r\n"):
+            got = await asyncio.wait_for(reader.read(65536), 10)
+            assert got, body
+            body += got
+        assert body == b"%x\r\n%b\r\n0\r\n\r\n" % (len(first), first), body
+        writer.close()
+    finally:
+        release.set()
         await runner.cleanup()
 
 
@@ -117,8 +219,11 @@ async def test_the_last_event_leaves_with_the_end_of_the_body(start_app):
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
         await writer.drain()
-        head = await asyncio.wait_for(reader.read(65536), 10)
-        assert first in head, head
+        head = b""
+        while first not in head:  # (the head goes out alone while the replica holds the event)
+            got = await asyncio.wait_for(reader.read(65536), 10)
+            assert got, head
+            head += got
         # The replica sends its last event 0.5 s later; count the router's writes from here on.
         [handler] = [h for h in runner.connections if h.transport is not None]
         counting = _CountingTransport(handler.transport)
