@@ -23,7 +23,9 @@ caches flushed, the contender started, the same trace sessions replayed through 
   'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
   ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
 - Metrics per contender and point: the replicas' reported cache-hit rate (cached / prompt tokens
-  from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests; per point the trace's
+  from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests, and the CPU seconds
+  the router, each replica and the driver spent during the replay (``cpu_s``: on a shared host a
+  contender's TTFT also pays for CPU the other processes take); per point the trace's
   infinite-cache reuse bound; the verdict against the target is
   :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -50,6 +53,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dp_scenarios import cpu_seconds  # noqa: E402
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import portable_command  # noqa: E402
 from session_sets import set_dir  # noqa: E402
@@ -262,9 +266,28 @@ async def replay_arrivals(base: str, arrivals: Arrivals, urls: list[str], args: 
     )
 
 
+def _driver_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """CPU seconds (/proc utime + stime, process trees) of the router, each replica and this
+    driver process; given `before` (an earlier call's result), the seconds spent since. On a
+    shared 2-core box the TTFT of one contender also pays for CPU the others' processes take,
+    so each result says who spent what during its replay."""
+    now = {"router": cpu_seconds(router_pid), "replicas": [cpu_seconds(p) for p in replica_pids],
+           "driver": _driver_cpu_seconds()}
+    if before is None:
+        return now
+    return {"router": round(now["router"] - before["router"], 2),
+            "replicas": [round(b - a, 2) for a, b in zip(before["replicas"], now["replicas"])],
+            "driver": round(now["driver"] - before["driver"], 2)}
+
+
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
                         group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str,
-                        point: Point) -> dict[str, Any]:
+                        point: Point, replica_pids: list[int] | None = None) -> dict[str, Any]:
     await asyncio.gather(*(_flush(http, u) for u in urls))
     cfg = CompareConfig(replicas=len(urls), ready_timeout_s=60.0)
     keep = Path(args.records_dir) if args.records_dir else None
@@ -274,10 +297,13 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         observability = {"decision_log": str(keep / f"{records_stem(point, c.name)}.decisions.jsonl")}
     proc, base = await _start_contender(c, urls, cfg, group, http, tmp, observability)
     records: list[RequestRecord] = []
+    pids = replica_pids or []
     try:
+        cpu_before = cpu_split(proc.popen.pid, pids)  # from ready: not the router's start-up
         t0 = time.monotonic()
         report = await replay_arrivals(base, arrivals, urls, args, c.name, records)
         wall = time.monotonic() - t0
+        cpu = cpu_split(proc.popen.pid, pids, cpu_before)
     finally:
         group.stop([proc])
     if keep is not None:
@@ -285,8 +311,9 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
-          f"failed {result['requests_failed']}, {wall:.0f} s", file=sys.stderr, flush=True)
-    return {**result, "wall_s": round(wall, 1)}
+          f"failed {result['requests_failed']}, {wall:.0f} s, CPU s router {cpu['router']}, "
+          f"replicas {sum(cpu['replicas']):.2f}, driver {cpu['driver']}", file=sys.stderr, flush=True)
+    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu}
 
 
 async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
@@ -304,7 +331,8 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
             try:
                 results = {}
                 for c in contenders:
-                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label, point)
+                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label, point,
+                                                          [p.popen.pid for p in procs])
             finally:
                 group.stop(procs)
             out.append({"kind": point.kind, "capacity_sessions": point.capacity_sessions,
