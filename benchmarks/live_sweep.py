@@ -24,8 +24,9 @@ caches flushed, the contender started, the same trace sessions replayed through 
   ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
 - Metrics per contender and point: the replicas' reported cache-hit rate (cached / prompt tokens
   from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests, and the CPU seconds
-  the router, each replica and the driver spent during the replay (``cpu_s``: on a shared host a
-  contender's TTFT also pays for CPU the other processes take); per point the trace's
+  the router, each replica and the driver spent during the replay and the seconds each waited for
+  a CPU (``cpu_s``, its ``wait`` the scheduler's run delay: on a shared host a contender's TTFT
+  also pays for CPU the other processes take); per point the trace's
   infinite-cache reuse bound; the verdict against the target is
   :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
 
@@ -271,18 +272,61 @@ def _driver_cpu_seconds() -> float:
     return t.user + t.system
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+            except OSError:
+                continue
+            kids.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, ()))
+    return out
+
+
+def wait_seconds(pid: int) -> float:
+    """Seconds the threads of `pid` and its live descendants spent runnable but waiting for a
+    CPU (the scheduler's run delay, /proc/PID/task/TID/schedstat); 0 where it is not kept."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
 def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] | None = None) -> dict[str, Any]:
     """CPU seconds (/proc utime + stime, process trees) of the router, each replica and this
-    driver process; given `before` (an earlier call's result), the seconds spent since. On a
-    shared 2-core box the TTFT of one contender also pays for CPU the others' processes take,
-    so each result says who spent what during its replay."""
-    now = {"router": cpu_seconds(router_pid), "replicas": [cpu_seconds(p) for p in replica_pids],
-           "driver": _driver_cpu_seconds()}
+    driver process, and the seconds each waited for a CPU (`wait`: the scheduler's run delay);
+    given `before` (an earlier call's result), the seconds since. On a shared 2-core box the
+    TTFT of one contender also pays for CPU the others' processes take, so each result says
+    who spent what during its replay, and who waited."""
+    now: dict[str, Any] = {"router": cpu_seconds(router_pid), "replicas": [cpu_seconds(p) for p in replica_pids],
+                           "driver": _driver_cpu_seconds(),
+                           "wait": {"router": wait_seconds(router_pid),
+                                    "replicas": [wait_seconds(p) for p in replica_pids],
+                                    "driver": wait_seconds(os.getpid())}}
     if before is None:
         return now
-    return {"router": round(now["router"] - before["router"], 2),
-            "replicas": [round(b - a, 2) for a, b in zip(before["replicas"], now["replicas"])],
-            "driver": round(now["driver"] - before["driver"], 2)}
+
+    def since(a: Any, b: Any) -> Any:
+        return [round(y - x, 3) for x, y in zip(a, b)] if isinstance(a, list) else round(b - a, 3)
+
+    out = {k: since(before[k], now[k]) for k in ("router", "replicas", "driver")}
+    out["wait"] = {k: since(before["wait"][k], now["wait"][k]) for k in ("router", "replicas", "driver")}
+    return out
 
 
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
@@ -312,7 +356,9 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
           f"failed {result['requests_failed']}, {wall:.0f} s, CPU s router {cpu['router']}, "
-          f"replicas {sum(cpu['replicas']):.2f}, driver {cpu['driver']}", file=sys.stderr, flush=True)
+          f"replicas {sum(cpu['replicas']):.2f}, driver {cpu['driver']}; waited for a CPU: router "
+          f"{cpu['wait']['router']}, replicas {sum(cpu['wait']['replicas']):.2f}, driver {cpu['wait']['driver']}",
+          file=sys.stderr, flush=True)
     return {**result, "wall_s": round(wall, 1), "cpu_s": cpu}
 
 

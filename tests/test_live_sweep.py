@@ -44,8 +44,11 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         assert 0 < r["cache_hit_rate"] < 1  # turn 2 of each session hits its turn 1
         # who spent the CPU during the replay: the router, each replica, the driver
         cpu = r["cpu_s"]
-        assert set(cpu) == {"router", "replicas", "driver"} and len(cpu["replicas"]) == 2
+        assert set(cpu) == {"router", "replicas", "driver", "wait"} and len(cpu["replicas"]) == 2
         assert all(x >= 0 for x in (cpu["router"], cpu["driver"], *cpu["replicas"]))
+        wait = cpu["wait"]  # and how long each waited for a CPU
+        assert set(wait) == {"router", "replicas", "driver"} and len(wait["replicas"]) == 2
+        assert all(x >= 0 for x in (wait["router"], wait["driver"], *wait["replicas"]))
     assert point["verdict"]["best_peer_hit"] == round(point["results"]["fake"]["cache_hit_rate"], 4)
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
     report = (out / "report.md").read_text()
