@@ -26,7 +26,9 @@ caches flushed, the contender started, the same trace sessions replayed through 
   from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests, and the CPU seconds
   the router, each replica and the driver spent during the replay and the seconds each waited for
   a CPU (``cpu_s``, its ``wait`` the scheduler's run delay: on a shared host a contender's TTFT
-  also pays for CPU the other processes take); per point the trace's
+  also pays for CPU the other processes take); with ``--records-dir``, for kvrouter contenders,
+  ``router_split``: the time the router added to each request's TTFT (the client's TTFT minus the
+  router's own, joined by request id to its decision log); per point the trace's
   infinite-cache reuse bound; the verdict against the target is
   :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
 
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -54,9 +55,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dp_scenarios import cpu_seconds  # noqa: E402
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import portable_command  # noqa: E402
+from replay_accounting import cpu_split, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
@@ -267,68 +268,6 @@ async def replay_arrivals(base: str, arrivals: Arrivals, urls: list[str], args: 
     )
 
 
-def _driver_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _tree(pid: int) -> list[int]:
-    """`pid` and its live descendants."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_bytes()
-            except OSError:
-                continue
-            kids.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, ()))
-    return out
-
-
-def wait_seconds(pid: int) -> float:
-    """Seconds the threads of `pid` and its live descendants spent runnable but waiting for a
-    CPU (the scheduler's run delay, /proc/PID/task/TID/schedstat); 0 where it is not kept."""
-    total = 0
-    for p in _tree(pid):
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                total += int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    return total / 1e9
-
-
-def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] | None = None) -> dict[str, Any]:
-    """CPU seconds (/proc utime + stime, process trees) of the router, each replica and this
-    driver process, and the seconds each waited for a CPU (`wait`: the scheduler's run delay);
-    given `before` (an earlier call's result), the seconds since. On a shared 2-core box the
-    TTFT of one contender also pays for CPU the others' processes take, so each result says
-    who spent what during its replay, and who waited."""
-    now: dict[str, Any] = {"router": cpu_seconds(router_pid), "replicas": [cpu_seconds(p) for p in replica_pids],
-                           "driver": _driver_cpu_seconds(),
-                           "wait": {"router": wait_seconds(router_pid),
-                                    "replicas": [wait_seconds(p) for p in replica_pids],
-                                    "driver": wait_seconds(os.getpid())}}
-    if before is None:
-        return now
-
-    def since(a: Any, b: Any) -> Any:
-        return [round(y - x, 3) for x, y in zip(a, b)] if isinstance(a, list) else round(b - a, 3)
-
-    out = {k: since(before[k], now[k]) for k in ("router", "replicas", "driver")}
-    out["wait"] = {k: since(before["wait"][k], now["wait"][k]) for k in ("router", "replicas", "driver")}
-    return out
-
-
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
                         group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str,
                         point: Point, replica_pids: list[int] | None = None) -> dict[str, Any]:
@@ -350,16 +289,22 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         cpu = cpu_split(proc.popen.pid, pids, cpu_before)
     finally:
         group.stop([proc])
+    split = None
     if keep is not None:
         names = {u.rstrip("/"): f"replica{i}" for i, u in enumerate(urls)}
         write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
+        split = router_split(records, keep / f"{records_stem(point, c.name)}.decisions.jsonl", args.time_scale)
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
           f"failed {result['requests_failed']}, {wall:.0f} s, CPU s router {cpu['router']}, "
           f"replicas {sum(cpu['replicas']):.2f}, driver {cpu['driver']}; waited for a CPU: router "
           f"{cpu['wait']['router']}, replicas {sum(cpu['wait']['replicas']):.2f}, driver {cpu['wait']['driver']}",
           file=sys.stderr, flush=True)
-    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu}
+    if split is not None:
+        print(f"{label} {c.name}: router-added time to first token, wall ms: p50 {split['added_ms_p50']}, "
+              f"mean {split['added_ms_mean']} (handler to replica write p50 {split['routed_ms_p50']})",
+              file=sys.stderr, flush=True)
+    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu, **({"router_split": split} if split else {})}
 
 
 async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
