@@ -23,7 +23,12 @@ caches flushed, the contender started, the same trace sessions replayed through 
   'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
   ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
 - Metrics per contender and point: the replicas' reported cache-hit rate (cached / prompt tokens
-  from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests; per point the trace's
+  from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests, and the CPU seconds
+  the router, each replica and the driver spent during the replay and the seconds each waited for
+  a CPU (``cpu_s``, its ``wait`` the scheduler's run delay: on a shared host a contender's TTFT
+  also pays for CPU the other processes take); with ``--records-dir``, for kvrouter contenders,
+  ``router_split``: the time the router added to each request's TTFT (the client's TTFT minus the
+  router's own, joined by request id to its decision log); per point the trace's
   infinite-cache reuse bound; the verdict against the target is
   :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
 
@@ -52,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import portable_command  # noqa: E402
+from replay_accounting import cpu_split, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
@@ -264,7 +270,7 @@ async def replay_arrivals(base: str, arrivals: Arrivals, urls: list[str], args: 
 
 async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args: argparse.Namespace,
                         group: ProcessGroup, http: aiohttp.ClientSession, tmp: Path, label: str,
-                        point: Point) -> dict[str, Any]:
+                        point: Point, replica_pids: list[int] | None = None) -> dict[str, Any]:
     await asyncio.gather(*(_flush(http, u) for u in urls))
     cfg = CompareConfig(replicas=len(urls), ready_timeout_s=60.0)
     keep = Path(args.records_dir) if args.records_dir else None
@@ -274,19 +280,31 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         observability = {"decision_log": str(keep / f"{records_stem(point, c.name)}.decisions.jsonl")}
     proc, base = await _start_contender(c, urls, cfg, group, http, tmp, observability)
     records: list[RequestRecord] = []
+    pids = replica_pids or []
     try:
+        cpu_before = cpu_split(proc.popen.pid, pids)  # from ready: not the router's start-up
         t0 = time.monotonic()
         report = await replay_arrivals(base, arrivals, urls, args, c.name, records)
         wall = time.monotonic() - t0
+        cpu = cpu_split(proc.popen.pid, pids, cpu_before)
     finally:
         group.stop([proc])
+    split = None
     if keep is not None:
         names = {u.rstrip("/"): f"replica{i}" for i, u in enumerate(urls)}
         write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
+        split = router_split(records, keep / f"{records_stem(point, c.name)}.decisions.jsonl", args.time_scale)
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
-          f"failed {result['requests_failed']}, {wall:.0f} s", file=sys.stderr, flush=True)
-    return {**result, "wall_s": round(wall, 1)}
+          f"failed {result['requests_failed']}, {wall:.0f} s, CPU s router {cpu['router']}, "
+          f"replicas {sum(cpu['replicas']):.2f}, driver {cpu['driver']}; waited for a CPU: router "
+          f"{cpu['wait']['router']}, replicas {sum(cpu['wait']['replicas']):.2f}, driver {cpu['wait']['driver']}",
+          file=sys.stderr, flush=True)
+    if split is not None:
+        print(f"{label} {c.name}: router-added time to first token, wall ms: p50 {split['added_ms_p50']}, "
+              f"mean {split['added_ms_mean']} (handler to replica write p50 {split['routed_ms_p50']})",
+              file=sys.stderr, flush=True)
+    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu, **({"router_split": split} if split else {})}
 
 
 async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
@@ -304,7 +322,8 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
             try:
                 results = {}
                 for c in contenders:
-                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label, point)
+                    results[c.name] = await run_contender(c, arrivals, urls, args, group, http, tmp, label, point,
+                                                          [p.popen.pid for p in procs])
             finally:
                 group.stop(procs)
             out.append({"kind": point.kind, "capacity_sessions": point.capacity_sessions,

@@ -241,6 +241,7 @@ class _Run:
                 raise body
             async with self.http.post(url, data=body, headers=headers) as resp:
                 rec.replica = resp.headers.get(REPLICA_HEADER)
+                rec.request_id = resp.headers.get("x-request-id")
                 if resp.status != 200:
                     text = await resp.text(errors="replace")
                     rec.error = f"HTTP {resp.status}: {text[:200]}"

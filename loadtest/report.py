@@ -85,6 +85,7 @@ class RequestRecord:
     is_edit: bool = False
     reason: str | None = None  # the routing rule that placed it (simulator only)
     predicted_cached_tokens: int = 0  # the router's KV-index estimate there (simulator only)
+    request_id: str | None = None  # the answer's x-request-id header, if any (joins a router's decision log)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -42,6 +42,13 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         r = point["results"][name]
         assert r["requests_ok"] == 4 and r["requests_failed"] == 0
         assert 0 < r["cache_hit_rate"] < 1  # turn 2 of each session hits its turn 1
+        # who spent the CPU during the replay: the router, each replica, the driver
+        cpu = r["cpu_s"]
+        assert set(cpu) == {"router", "replicas", "driver", "wait"} and len(cpu["replicas"]) == 2
+        assert all(x >= 0 for x in (cpu["router"], cpu["driver"], *cpu["replicas"]))
+        wait = cpu["wait"]  # and how long each waited for a CPU
+        assert set(wait) == {"router", "replicas", "driver"} and len(wait["replicas"]) == 2
+        assert all(x >= 0 for x in (wait["router"], wait["driver"], *wait["replicas"]))
     assert point["verdict"]["best_peer_hit"] == round(point["results"]["fake"]["cache_hit_rate"], 4)
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
     report = (out / "report.md").read_text()
@@ -54,6 +61,12 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
     assert [r["start_s"] for r in rows] == sorted(r["start_s"] for r in rows)
     decisions = (out / "records" / f"{stem}.decisions.jsonl").read_text().splitlines()
     assert len(decisions) == 1 + 4 and all(json.loads(d)["status"] == 200 for d in decisions[1:])
+    # each request joined to its decision-log line: the router's share of its time to first token
+    assert {r["request_id"] for r in rows} == {json.loads(d)["id"] for d in decisions[1:]}
+    split = point["results"]["consistent_hash"]["router_split"]
+    assert split["requests"] == 4 and split["routed_ms_p50"] >= 0
+    assert isinstance(split["added_ms_p50"], float) and isinstance(split["added_ms_mean"], float)
+    assert "router_split" not in point["results"]["fake"]  # an external router keeps no decision log
 
 
 def test_verdict_takes_the_lower_hit_target_and_the_best_peer_p95() -> None:

@@ -1,0 +1,109 @@
+"""Who spent what during one contender's replay of the live sweep (benchmarks/live_sweep.py).
+
+- :func:`cpu_split`: the CPU seconds of the router, each replica and the driver, and the
+  seconds each waited for a CPU (the scheduler's run delay), process trees read from /proc.
+- :func:`router_split`: the time a kvrouter contender added to each request's time to first
+  token, the client's records joined by request id to the router's decision log.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dp_scenarios import cpu_seconds
+
+from kvrouter.loadtest.report import RequestRecord
+
+
+def _driver_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+            except OSError:
+                continue
+            kids.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, ()))
+    return out
+
+
+def wait_seconds(pid: int) -> float:
+    """Seconds the threads of `pid` and its live descendants spent runnable but waiting for a
+    CPU (the scheduler's run delay, /proc/PID/task/TID/schedstat); 0 where it is not kept."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
+def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """CPU seconds (/proc utime + stime, process trees) of the router, each replica and this
+    driver process, and the seconds each waited for a CPU (`wait`: the scheduler's run delay);
+    given `before` (an earlier call's result), the seconds since. On a shared 2-core box the
+    TTFT of one contender also pays for CPU the others' processes take, so each result says
+    who spent what during its replay, and who waited."""
+    now: dict[str, Any] = {"router": cpu_seconds(router_pid), "replicas": [cpu_seconds(p) for p in replica_pids],
+                           "driver": _driver_cpu_seconds(),
+                           "wait": {"router": wait_seconds(router_pid),
+                                    "replicas": [wait_seconds(p) for p in replica_pids],
+                                    "driver": wait_seconds(os.getpid())}}
+    if before is None:
+        return now
+
+    def since(a: Any, b: Any) -> Any:
+        return [round(y - x, 3) for x, y in zip(a, b)] if isinstance(a, list) else round(b - a, 3)
+
+    out = {k: since(before[k], now[k]) for k in ("router", "replicas", "driver")}
+    out["wait"] = {k: since(before["wait"][k], now["wait"][k]) for k in ("router", "replicas", "driver")}
+    return out
+
+
+def router_split(records: list[RequestRecord], decisions: Path, time_scale: float) -> dict[str, Any] | None:
+    """Where a kvrouter contender's time to first token went, per request joined to its
+    decision-log line by request id, in wall ms: `added` is the client's TTFT minus the
+    router's own (from its write to the replica to the replica's first bytes), i.e. the time
+    the router and the hops through it added; `routed` the part from the request's handler
+    starting to its write to the replica. None without a decision log or a joined request."""
+    if not decisions.exists():
+        return None
+    lines = {}
+    for line in decisions.read_bytes().splitlines():
+        row = orjson.loads(line)
+        if row.get("ttft_s") is not None and row.get("id") is not None:
+            lines[row["id"]] = row
+    added, routed = [], []
+    for r in records:
+        row = lines.get(r.request_id) if r.ok and r.ttft_s is not None else None
+        if row is not None:
+            added.append(r.ttft_s / time_scale * 1000 - row["ttft_s"] * 1000)
+            if row.get("routed_s") is not None:
+                routed.append(row["routed_s"] * 1000)
+    if not added:
+        return None
+    return {"requests": len(added), "added_ms_p50": round(statistics.median(added), 2),
+            "added_ms_mean": round(statistics.fmean(added), 2),
+            "routed_ms_p50": round(statistics.median(routed), 2) if routed else None}
