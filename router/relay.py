@@ -5,7 +5,8 @@ got the request (connect failures) or refused it (502/503). A replica that got i
 out is not retried: it may still be working, and a long generation would run twice. After the
 first byte, an upstream failure or timeout ends an SSE stream with one clean error event at an
 event boundary (never half a JSON line). On a prefill/decode-disaggregated fleet each attempt is
-a pair of requests (router/pd_relay.py), whose decode answer is relayed here the same way.
+a pair of requests (router/pd_relay.py), whose decode answer is relayed here the same way. A
+response's body is relayed by router/stream_relay.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import RequestSummary
@@ -27,20 +27,20 @@ from .admission import Ticket
 from .admission_gate import AdmissionGate, AdmissionRejected
 from .affinity import AffinityStore
 from .config import UpstreamConfig
-from .data_http import Answer, Request, StreamResponse, WholeResponse
+from .data_http import Answer, Request, WholeResponse
 from .decision_log import DecisionLog, decision_line, request_fields
 from .engine import RoutingEngine
-from .errors import error_response, sse_error_event
+from .errors import error_response
 from .headers import REQUEST_ID, drop_set, end_to_end
 from .placement import Placement, RequestRoute
 from .json_splice import SplicedBody, body_bytes
 from .tracing import RequestTrace, Tracing
 from .ranks import routed_body
-from .sse_events import EVENT_ENDS, whole_events
+from .stream_relay import StreamRelay
 
 if TYPE_CHECKING:
     from .pd_relay import PDForwarder
-from .usage import OPENAI_ROUTES, UsageAccount, holds_usage_event
+from .usage import UsageAccount
 from .upstream_errors import UpstreamBodyError, UpstreamConnectError, UpstreamConnectTimeout, UpstreamTimeout
 from .upstream_http import UpstreamPool
 from .upstream_response import UpstreamResponse
@@ -50,25 +50,9 @@ _BUFFER_LIMIT = 8 * 1024 * 1024
 log = logging.getLogger("kvrouter.relay")
 REPLICA_HEADER = "x-kvrouter-replica"
 WORKER_HEADER = "x-kvrouter-worker"  # with replica_header under --workers N: which worker answered
-_BROKEN_BODY = (UpstreamBodyError, UpstreamTimeout)
-
-# Past upstream.total_timeout_s a stream's error event gets this long to reach its client.
-_CLIENT_WRITE_GRACE_S = 10.0
-# A stream's first event that follows the replica's headers within this long leaves with them in
-# one write (one read for the client); past it (the replica prefills) the head goes out alone, and
-# the client takes it in (an OpenAI SDK client spends a few hundred us on it) while it waits.
-_HEAD_ALONE_AFTER_S = 0.001
 
 
-def _abort_client(request: Request) -> None:
-    transport = request.transport
-    if transport is not None and not transport.is_closing():
-        log.warning("client of %s stopped reading; connection cut after upstream.total_timeout_s",
-                    request.path)
-        transport.abort()
-
-
-class Relay:
+class Relay(StreamRelay):
     def __init__(
         self,
         engine: RoutingEngine,
@@ -361,164 +345,8 @@ class Relay:
                 attempt.accepted()
             upstream.close()  # no-op after a full read; otherwise aborts the replica's work
 
-    def _first_byte(self, attempt: Placement, url: str, sent: float, *, streamed: bool = True,
-                    read_at: float | None = None) -> None:  # read at `read_at` (None: now)
-        ttfb = (self.clock() if read_at is None else read_at) - sent
-        self.metrics.observe(self.metrics.upstream_ttfb, (url,), ttfb)
-        attempt.first_byte(ttfb, streamed)
-
     @staticmethod
     def _timeout_response(url: str, err: UpstreamTimeout, request_id: str) -> web.Response:
         """504 for a replica that timed out before the client got a byte (never retried)."""
         return error_response(504, f"replica {url} timed out: {err}", "upstream_error",
                               headers={REQUEST_ID: request_id})
-
-    @staticmethod
-    async def _end_with_error(
-        request: Request, response: StreamResponse, sse: bool, message: str, code: int = 502
-    ) -> Answer:
-        if sse:
-            await response.write(sse_error_event(message, code))
-            await response.write_eof()
-        elif request.transport is not None:
-            # A plain body cannot carry an error, and a clean end would pass a truncated
-            # body off as complete: abort the connection so the client sees the failure.
-            request.transport.abort()
-        return response
-
-    async def _stream(
-        self,
-        request: Request,
-        upstream: UpstreamResponse,
-        attempt: Placement,
-        headers: CIMultiDict[str],
-        sse: bool,
-        sent: float,
-        usage: UsageAccount,
-        first: bytes | None,
-    ) -> Answer:
-        url = attempt.url
-        response = StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)  # headers are buffered until the first body write
-        loop = request._conn.loop  # (the running loop: no getpid() to find it)
-        # ... or until _HEAD_ALONE_AFTER_S has passed with no event from the replica
-        head_alone = (loop.call_later(_HEAD_ALONE_AFTER_S, response.send_head)
-                      if sse and upstream.waiting else None)
-        # A client that stops reading blocks our writes, and with them the upstream's timeouts
-        # (reading from the replica pauses): past the total timeout plus a grace for the error
-        # event, its connection is cut, so the blocked write fails and the slot is released.
-        watchdog = loop.call_later(
-            max(0.0, self.config.total_timeout_s + _CLIENT_WRITE_GRACE_S - (self.clock() - sent)),
-            _abort_client, request)
-        try:
-            return await self._relay_body(request, response, upstream, attempt, sse, sent, usage, first)
-        finally:
-            watchdog.cancel()
-            if head_alone is not None:
-                head_alone.cancel()
-
-    async def _relay_body(
-        self,
-        request: Request,
-        response: StreamResponse,
-        upstream: UpstreamResponse,
-        attempt: Placement,
-        sse: bool,
-        sent: float,
-        usage: UsageAccount,
-        first: bytes | None,
-    ) -> Answer:
-        """Relays the body; `first` is its first chunk when already read (plain bodies)."""
-        url = attempt.url
-        write = response.write
-        readany = upstream.readany
-        tail = bytearray()  # SSE: bytes after the last complete event, not yet sent
-        max_tail = self.config.max_sse_event_bytes
-        # Usage: an OpenAI stream's usage-only event is found by one substring search of each
-        # whole-event write (taken out if the router asked for it); a /generate stream's final
-        # meta_info is read once at its end from the last two writes (kept by reference).
-        watch = sse and usage.placement is not None and usage.route in OPENAI_ROUTES
-        keep_last = sse and usage.placement is not None and usage.route == "/generate"
-        before = last = b""
-        # A long prompt's record in the KV index costs up to milliseconds: not in the time to
-        # first token. It is made while the replica prefills, or after the first write if the
-        # first bytes came with the head.
-        accept = attempt.accepted if usage.placement is attempt else None
-        held = b""  # the body's last bytes, once the replica has sent its end: they go out
-        # with the response's end (the empty chunk) in one write, not two
-        # When the first bytes were read: recorded (TTFB metric, Placement.first_byte) after
-        # their write to the client, not in its time to first byte; recorded whatever happens.
-        first_at: float | None = None
-        ended = False
-        try:
-            if first is None:
-                if accept is not None:  # runs once this read waits (a request sharing the prefix
-                    # may be placed meanwhile); a no-op if the first write recorded it already
-                    request._conn.loop.call_soon(accept)
-                chunk = await readany()
-                first_at = self.clock()
-            else:
-                chunk = first
-            while chunk:
-                if not sse:
-                    out = chunk
-                elif not tail and chunk.endswith(EVENT_ENDS):
-                    # the common case: whole events, relayed as they are
-                    if watch and holds_usage_event(chunk):
-                        chunk = usage.take_event(chunk)
-                    elif keep_last:
-                        before, last = last, chunk
-                    out = chunk
-                else:  # whole events only (router/sse_events.py)
-                    out, tail = whole_events(tail, chunk)
-                    if out:
-                        if watch and holds_usage_event(out):
-                            out = usage.take_event(out)
-                        elif keep_last:
-                            before, last = last, out
-                    if len(tail) > max_tail:  # an event that never ends must not grow memory
-                        if out:
-                            await write(out)
-                        attempt.broke("sse_event_too_large")
-                        return await self._end_with_error(
-                            request, response, sse, f"replica {url} sent an SSE event larger than "
-                            f"upstream.max_sse_event_bytes ({max_tail} bytes)")
-                if upstream.at_eof:
-                    held = out
-                    break
-                if out:
-                    await write(out)
-                    if first_at is not None:
-                        self._first_byte(attempt, url, sent, read_at=first_at)
-                        first_at = None
-                    if accept is not None:
-                        accept()
-                        accept = None
-                chunk = await readany()
-            ended = True  # the replica's end came: its last bytes and the end go out below
-        except _BROKEN_BODY as err:  # only reads from the replica raise these (writes to a
-            # client that went away raise ConnectionResetError, which propagates)
-            if isinstance(err, UpstreamTimeout):
-                attempt.broke(err.kind)
-                return await self._end_with_error(request, response, sse, f"replica {url} timed out: {err}", 504)
-            attempt.broke("midstream")
-            return await self._end_with_error(request, response, sse, f"replica {url} failed mid-stream")
-        except asyncio.CancelledError:
-            task = asyncio.current_task(request._conn.loop)
-            if task is None or not self._was_cut(task):
-                raise  # the client went away, or something else cancels this handler
-            return await self._end_with_error(request, response, sse, self._cut_reason, 503)
-        finally:
-            if first_at is not None and not ended:  # no write made it out: recorded all the same
-                self._first_byte(attempt, url, sent, read_at=first_at)
-        if tail:
-            held += tail
-        try:
-            await response.write_eof(held)
-        finally:
-            if first_at is not None:  # the whole body went out with the end
-                self._first_byte(attempt, url, sent, read_at=first_at)
-            if accept is not None:  # nothing went out before the end: recorded before its usage is learnt
-                accept()
-            usage.stream_ended(sse, before + last if keep_last else b"")
-        return response

@@ -19,7 +19,7 @@ import socket
 import aiohttp
 from aiohttp import web
 
-from kvrouter.router import relay as relay_module
+from kvrouter.router import stream_relay as relay_module
 from kvrouter.router.app import Router
 from kvrouter.router.config import parse_config
 from kvrouter.router.serve import start_site

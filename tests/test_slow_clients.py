@@ -201,7 +201,7 @@ async def test_client_that_stops_reading_a_stream_is_cut_and_its_slot_released(
     """A client keeps its connection open and never reads: the router's writes block, reading
     from the replica pauses, so no idle timeout fires. Past the total timeout (plus the grace
     for an error event) the client's connection is cut and the replica's slot comes back."""
-    from kvrouter.router import relay as relay_module
+    from kvrouter.router import stream_relay as relay_module
 
     monkeypatch.setattr(relay_module, "_CLIENT_WRITE_GRACE_S", 0.5)
     event = b"data: " + b"x" * 4000 + b"\n\n"
