@@ -30,32 +30,14 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from .data_http import Request, StreamResponse, WholeResponse, bodiless
 from .errors import error_response
+from .data_limits import (DIRECT_BODY_BYTES, MALFORMED_KINDS, MAX_HEAD_BYTES, MAX_HEADER_BYTES,
+                          MAX_HEADER_COUNT, MAX_HEADERS_TOTAL, MAX_PIPELINED, QUEUED_BODY_BYTES, SINGLETONS,
+                          Malformed)
 
 if TYPE_CHECKING:
     from .data_server import DataServer
 
 log = logging.getLogger("kvrouter")
-
-_MAX_HEADER_BYTES = 8190  # one header line, as aiohttp's parser bounds it
-_MAX_HEADERS_TOTAL = 64 * 1024
-_MAX_HEADER_COUNT = 128  # as aiohttp's server bounds it: thousands of tiny ones fit the byte bound
-# A whole head (request line, fields, their framing) within the caps above is under this. The
-# parser hands a header over only once its line ends, so an unfinished one is bounded as it comes.
-_MAX_HEAD_BYTES = _MAX_HEADERS_TOTAL + 2 * _MAX_HEADER_BYTES
-_MAX_PIPELINED = 32  # parsed requests waiting behind the one being served: then reading pauses
-_QUEUED_BODY_BYTES = 256 * 1024  # body a waiting request may buffer before reading pauses
-# A Content-Length body with this much left once its head is parsed is read into a buffer of
-# its own length, not through the parser (which would copy it once more, into its own pieces).
-_DIRECT_BODY_BYTES = 64 * 1024
-# The server's read buffer: a whole small request, or a large one's head and its body's first
-# bytes, which are copied out of it (the rest of a large body is read into its own buffer).
-READ_BUFFER_BYTES = _DIRECT_BODY_BYTES
-_MALFORMED_KINDS = {413: "request_too_large", 431: "request_too_large"}
-# Headers a request may carry once (as aiohttp's parser holds them): two values are ambiguous
-_SINGLETONS = frozenset({"authorization", "content-length", "content-location", "content-range",
-                         "content-type", "etag", "host", "max-forwards", "server",
-                         "transfer-encoding", "user-agent"})
-
 
 class Connection(asyncio.BufferedProtocol):
     """One client connection: parses requests, serves them one at a time, keeps alive."""
@@ -160,11 +142,11 @@ class Connection(asyncio.BufferedProtocol):
         """Parse `data`; `searchable`: the same bytes from offset 0 (to search without a copy)."""
         if self.closing or self.upgraded or self._input_closed:
             return
-        if searchable is not None and len(data) > _DIRECT_BODY_BYTES and self._parsing is None \
+        if searchable is not None and len(data) > DIRECT_BODY_BYTES and self._parsing is None \
                 and not self._in_head:
             # A large read that begins a request: the parser gets its head alone, so that a
             # large body that came with it is taken past the parser (which would copy it) too.
-            end = searchable.find(b"\r\n\r\n", 0, min(len(data), _MAX_HEAD_BYTES))
+            end = searchable.find(b"\r\n\r\n", 0, min(len(data), MAX_HEAD_BYTES))
             if 0 < end and end + 4 < len(data):
                 view = memoryview(data)
                 self._received(view[:end + 4], None)
@@ -188,21 +170,21 @@ class Connection(asyncio.BufferedProtocol):
             if self._input_closed:  # bytes after a request that closes: not read (and not an
                 return  # error that would drop the requests queued before it)
             cause = err.__context__  # what one of the callbacks below raised, if it was one
-            if isinstance(cause, _Malformed):
+            if isinstance(cause, Malformed):
                 self._protocol_error(cause.status, f"malformed HTTP request: {cause}")
             else:
                 self._protocol_error(400, f"malformed HTTP request: {str(err)[:300]}")
             return
         if in_head and self._in_head and heads == self._heads:  # all of `data` was one head's
             self._head_received += len(data)
-            if self._head_received > _MAX_HEAD_BYTES:
+            if self._head_received > MAX_HEAD_BYTES:
                 self._protocol_error(431, "malformed HTTP request: request headers too large")
                 return
         request = self._parsing
         if request is not None and self._body_length is not None and not self._in_head \
                 and not request._complete and not request._too_large:
             left = self._body_length - request._size
-            if left >= _DIRECT_BODY_BYTES:
+            if left >= DIRECT_BODY_BYTES:
                 self._direct_left = left
                 # (a buffer of the server's, given back once the body is read out)
                 buffer = self.server.body_buffer(left)
@@ -246,17 +228,17 @@ class Connection(asyncio.BufferedProtocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > _MAX_HEADER_BYTES:
-            raise _Malformed(431, "request target too long")
+        if len(self._url) > MAX_HEADER_BYTES:
+            raise Malformed(431, "request target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name) + len(value)
         self._header_bytes += size
-        if size > _MAX_HEADER_BYTES or self._header_bytes > _MAX_HEADERS_TOTAL:
-            raise _Malformed(431, "request headers too large")
+        if size > MAX_HEADER_BYTES or self._header_bytes > MAX_HEADERS_TOTAL:
+            raise Malformed(431, "request headers too large")
         raw = self._raw_headers
-        if len(raw) >= 2 * _MAX_HEADER_COUNT:
-            raise _Malformed(431, f"more than {_MAX_HEADER_COUNT} request headers")
+        if len(raw) >= 2 * MAX_HEADER_COUNT:
+            raise Malformed(431, f"more than {MAX_HEADER_COUNT} request headers")
         raw.append(name)  # names and values in one flat list: decoded, and checked for
         raw.append(value)  # repeats, once all have come
 
@@ -286,9 +268,9 @@ class Connection(asyncio.BufferedProtocol):
         headers = CIMultiDict(list(zip(pairs, pairs)))
         lowered = set(map(str.lower, texts[::2]))  # the names present (token characters: ASCII)
         if len(lowered) != len(headers):  # a field repeated: refused if it must be single
-            for name in _SINGLETONS.intersection(lowered):
+            for name in SINGLETONS.intersection(lowered):
                 if len(headers.getall(name)) > 1:  # which value counts is ambiguous
-                    raise _Malformed(400, f"duplicate {name} header")
+                    raise Malformed(400, f"duplicate {name} header")
         request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
                           CIMultiDictProxy(headers), version, parser.should_keep_alive(),
                           headers.get("Expect") if "expect" in lowered else None)
@@ -299,7 +281,7 @@ class Connection(asyncio.BufferedProtocol):
             if coding.rpartition(",")[2].strip().lower() != "chunked":
                 # No way to know where such a body ends (RFC 9112 section 6.3): refused, not
                 # read to the connection's close.
-                raise _Malformed(400, "a request Transfer-Encoding must end in chunked")
+                raise Malformed(400, "a request Transfer-Encoding must end in chunked")
         self._body_length = None
         if "content-length" in lowered:
             length = headers["Content-Length"]
@@ -307,14 +289,14 @@ class Connection(asyncio.BufferedProtocol):
                 size = int(length)
                 if size > self.server.max_body_bytes:
                     request._too_large = True
-                elif coding is None and size >= _DIRECT_BODY_BYTES and request.method != "CONNECT" \
+                elif coding is None and size >= DIRECT_BODY_BYTES and request.method != "CONNECT" \
                         and "upgrade" not in lowered:  # (after an upgrade the parser decides)
                     self._body_length = size
         if self._serving is None:
             self._serve(request)
         else:
             self._queue.append(request)
-            if len(self._queue) >= _MAX_PIPELINED and not self._reading_paused:
+            if len(self._queue) >= MAX_PIPELINED and not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
 
@@ -332,7 +314,7 @@ class Connection(asyncio.BufferedProtocol):
         self._pause_if_queued(request)
 
     def _pause_if_queued(self, request: Request) -> None:
-        if request._size > _QUEUED_BODY_BYTES and self._serving not in (None, request) \
+        if request._size > QUEUED_BODY_BYTES and self._serving not in (None, request) \
                 and not self._reading_paused:
             # A request queued behind the one being served: nobody reads its body yet, and
             # `_finished` resumes reading when its turn comes.
@@ -467,7 +449,7 @@ class Connection(asyncio.BufferedProtocol):
             if self.transport is not None and not self.closing:
                 self.transport.pause_reading()
             return
-        response = error_response(status, message, _MALFORMED_KINDS.get(status, "invalid_request_error"),
+        response = error_response(status, message, MALFORMED_KINDS.get(status, "invalid_request_error"),
                                   {"Connection": "close"})
         body = response.body
         assert isinstance(body, bytes)
@@ -514,11 +496,3 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.closing:
             self.closing = True
             self.transport.close()
-
-
-class _Malformed(Exception):
-    """Raised by a parser callback: the request is answered `status` and the connection closed."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status

@@ -20,7 +20,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .data_connection import READ_BUFFER_BYTES, Connection
+from .data_connection import Connection
+from .data_limits import READ_BUFFER_BYTES
 from .data_http import Answer, Request
 
 Handler = Callable[[Request], Awaitable[Answer]]

@@ -21,14 +21,14 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrouter.router import data_connection
+from kvrouter.router import data_connection, data_limits
 from kvrouter.router.data_connection import Connection
 from kvrouter.router.data_http import Request
 from kvrouter.router.data_server import DataServer
 from kvrouter.router.middlewares import errors_middleware
 
 MAX_BODY = 150_000
-DIRECT = data_connection._DIRECT_BODY_BYTES
+DIRECT = data_limits.DIRECT_BODY_BYTES
 _SIZES = [0, 7, DIRECT - 1, DIRECT, DIRECT + 1, DIRECT + 4096, 2 * DIRECT, MAX_BODY, MAX_BODY + 1]
 
 
@@ -146,7 +146,7 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
     server = DataServer(routes, [errors_middleware(MAX_BODY)], [], max_body_bytes=MAX_BODY,
                         header_timeout_s=60, shutdown_grace_s=0)
     server.loop = asyncio.get_running_loop()
-    with mock.patch.object(data_connection, "_DIRECT_BODY_BYTES", DIRECT if direct else 1 << 62):
+    with mock.patch.object(data_connection, "DIRECT_BODY_BYTES", DIRECT if direct else 1 << 62):
         conn = Connection(server)
         transport = MemoryTransport(conn)
         conn.connection_made(transport)  # type: ignore[arg-type]

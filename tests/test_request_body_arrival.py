@@ -135,7 +135,7 @@ async def test_a_large_body_is_fed_to_the_parser_no_further_than_its_first_read(
     read (into the server's shared read buffer; it copies the body bytes there into pieces of
     its own), the rest of the body is read past it, and the body still reaches the replica byte
     for byte, with the request behind it in the same write parsed as one."""
-    from kvrouter.router.data_connection import READ_BUFFER_BYTES
+    from kvrouter.router.data_limits import READ_BUFFER_BYTES
 
     fed = _count_parser_feeds(monkeypatch)
     up, _, connected = router
