@@ -209,3 +209,22 @@ def test_routing_doc_other_sessions_quotes_the_saved_runs() -> None:
         loads = [float(s[1]) for s in samples if start <= s[0] < end]
         assert (low, high) == (f"{min(loads):.1f}", f"{max(loads):.1f}")
         assert float(median) == pytest.approx(statistics.median(loads), abs=0.051)
+
+
+def test_repeats_of_one_set_are_reported_as_runs(tmp_path: Path) -> None:
+    """Saved runs of the same session set combined are repeats: the report names runs, not sets."""
+    report = load_benchmark("live_sweep_report")
+    runs = [_set(1, 0.90, {"me": h, "peer": 0.70}, {"me": 1.0, "peer": 2.0}) for h in (0.80, 0.84)]
+    for d in runs:
+        for p in d["points"]:
+            p["verdict"] = report.verdict(p, d["judged"], d["peers"], d["trace"]["reuse_bound"])
+    report.write_sets_outputs(runs, tmp_path, "python benchmarks/live_sweep_report.py --combine", None)
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Live sweep repeated: mean and range per contender over 2 runs of session set 1")
+    assert "met per set (run 1, run 2)" in text and "mean and range over the runs" in text
+
+
+def test_report_script_answers_help_without_reading_a_file() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "live_sweep_report.py"), "--help"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "--combine" in done.stdout and not done.stderr
