@@ -260,3 +260,32 @@ def test_a_prediction_is_the_pick_s_request_cost_and_its_match() -> None:
             assert predict(snapshot, request, "http://gone", params) == Prediction("http://gone", 0, None)
     hand_built = Snapshot(views)  # no id index: the snapshot's own lookup
     assert predict(hand_built, held, "http://b") == predict(snapshot, held, "http://b")
+
+
+def test_the_near_tie_pick_is_its_plain_definition() -> None:
+    # The pick's tie loop and load comparison, written out, against the definition: ties in
+    # candidate order, two drawn as `rng.sample` draws them, the lower (load, homed KV) wins.
+    def plain(tolerance: float, abs_s: float, candidates, scores, rng):
+        limit = min(scores) * (1 + tolerance) + abs_s
+        ties = [r for c, r in zip(scores, candidates) if c <= limit]
+        if len(ties) == 1:
+            return ties[0]
+        a, b = rng.sample(ties, 2)
+        return a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b
+
+    cases = random.Random(11)
+    for _ in range(400):
+        views = [ReplicaView(f"r{i}", in_flight=cases.randrange(0, 4), homed_tokens=cases.choice([0, 5, 9]))
+                 for i in range(cases.randrange(1, 24))]
+        scores = [6.6 + cases.choice([0.0, 0.01, 0.011, 0.02, 0.5, float("nan")]) for _ in views]
+        tolerance, abs_s = cases.choice([(0.01, 0.02), (0.0, 0.0), (0.1, 0.5)])
+        seed = cases.randrange(1 << 30)
+        fast_rng, plain_rng = random.Random(seed), random.Random(seed)
+        try:
+            fast = NearTiePowerOfTwo(tolerance, abs_s)(views, scores, fast_rng)
+        except ValueError:
+            with pytest.raises(ValueError):
+                plain(tolerance, abs_s, views, scores, plain_rng)
+            continue
+        assert fast is plain(tolerance, abs_s, views, scores, plain_rng)
+        assert fast_rng.random() == plain_rng.random()  # the same draws
