@@ -256,8 +256,15 @@ class CodingAgent:
         replay's first four sessions in two pairs, three of them its four longest, sharing two
         replicas' KV and queues while two replicas sat empty)."""
         p = self.params
+        if p.empty_replica_max_extra_s <= 0:
+            return None
+        for r in usable:  # most placements: every candidate is some session's home already
+            if r.homed_sessions == 0:
+                break
+        else:
+            return None
         empty = [r for r in usable if r.homed_sessions == 0]
-        if p.empty_replica_max_extra_s <= 0 or not empty or len(empty) == len(usable):
+        if len(empty) == len(usable):
             return None
         cheapest = min(range(len(costs)), key=costs.__getitem__)
         if usable[cheapest].homed_sessions < p.empty_replica_min_homed:

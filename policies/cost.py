@@ -81,7 +81,9 @@ def request_cost(p: CostParams, replica: ReplicaView, request: RequestSummary) -
     """`expected_cost(p, replica, request, placement=False)`, the per-request cost alone (what a
     prediction asks of each pick): the same terms added in the same order as `expected_costs`,
     so the same float, without its loop and list for one replica."""
-    model = _model(p)
+    model = _MODELS.get(id(p))  # `_model(p)` without its call when made already (every prediction)
+    if model is None or model.params is not p:
+        model = _model(p)
     terms = replica.cost_terms
     if terms is None or terms[0] is not model.key:
         terms = _view_terms(model, replica)

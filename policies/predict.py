@@ -39,4 +39,11 @@ def predict(snapshot: Snapshot, request: RequestSummary, replica: str,
     by_id = snapshot.by_id  # `snapshot.get`, without its call: this runs for every pick noted
     view = by_id.get(replica) if by_id is not None else snapshot.get(replica)
     ttft = request_cost(params, view, request) if view is not None else None  # = expected_cost(placement=False)
-    return Prediction(replica, cached, ttft)
+    prediction = _new_object(Prediction)  # `Prediction(replica, cached, ttft)` without its __init__ frame
+    _set_replica(prediction, replica)
+    _set_cached_tokens(prediction, cached)
+    _set_ttft_s(prediction, ttft)
+    return prediction
+
+
+_new_object = object.__new__

@@ -135,11 +135,17 @@ class NearTiePowerOfTwo:
         self, candidates: Sequence[ReplicaView], scores: Sequence[float], rng: random.Random
     ) -> ReplicaView:
         limit = min(scores) * (1 + self.tolerance) + self.abs_s
-        ties = [r for c, r in zip(scores, candidates) if c <= limit]
+        ties = []  # a loop here, not a comprehension: no call (this runs on every placement)
+        for c, r in zip(scores, candidates):
+            if c <= limit:
+                ties.append(r)
         if len(ties) == 1:
             return ties[0]
         a, b = _two_of(ties, rng)
-        return a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b
+        # `(a.load, a.homed_tokens) <= (b.load, b.homed_tokens)`, without the two tuples
+        if a.load != b.load:
+            return a if a.load < b.load else b
+        return a if a.homed_tokens <= b.homed_tokens else b
 
 
 def _two_of(ties: list[ReplicaView], rng: random.Random) -> tuple[ReplicaView, ReplicaView]:

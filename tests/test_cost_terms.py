@@ -12,7 +12,7 @@ import pytest
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.cost import CostParams, expected_cost, expected_costs, prefill_s, request_cost
 from kvrouter.policies.domain import Decision, ReplicaView, RequestSummary, Snapshot
-from kvrouter.policies.predict import Prediction
+from kvrouter.policies.predict import DEFAULT_COST as PREDICT_DEFAULT, Prediction, predict
 from kvrouter.policies.steps import ExpectedCost, HighWater, NearTiePowerOfTwo, _two_of
 
 
@@ -234,3 +234,58 @@ def test_decisions_and_predictions_pickle_copy_and_convert_as_generated_ones_do(
     assert dataclasses.asdict(decision) == {"replica": "http://a", "reason": "rehome_evicted", "home": "http://a"}
     assert repr(decision) == "Decision(replica='http://a', reason='rehome_evicted', home='http://a')"
     assert repr(prediction) == "Prediction(replica='http://a', cached_tokens=7, ttft_s=0.25)"
+
+
+def test_a_prediction_is_the_pick_s_request_cost_and_its_match() -> None:
+    # `predict` makes its Prediction without the __init__ call and finds the cost model without
+    # `_model`'s: the same object as the plain definition, for the default parameters and others,
+    # a view whose terms another model keeps, a replica the snapshot lacks and a held prefix.
+    views = (ReplicaView("http://a", num_running_reqs=3, num_queue_reqs=1, token_usage=0.95),
+             ReplicaView("http://b", in_flight=2, pending_prefill_tokens=5000))
+    snapshot = Snapshot(views, by_id={v.id: v for v in views})
+    held = RequestSummary("/v1/chat/completions", prompt_tokens=9000, cached_tokens={"http://b": 12_000},
+                          host_cached_tokens={"http://a": 700})
+    cold = RequestSummary("/v1/chat/completions", prompt_tokens=9000)
+    other = CostParams(queue_s_per_waiting=0.7)
+    for params in (PREDICT_DEFAULT, other, PREDICT_DEFAULT):  # the terms kept switch models
+        for request in (held, cold):
+            for view in views:
+                found = predict(snapshot, request, view.id, params)
+                cached = min(request.prompt_tokens, request.cached_tokens.get(view.id, 0))
+                fresh = dataclasses.replace(view)  # the same view, no terms kept
+                assert found == Prediction(view.id, cached, request_cost(params, fresh, request))
+                assert type(found) is Prediction and dataclasses.astuple(found) == (view.id, cached, found.ttft_s)
+                with pytest.raises(dataclasses.FrozenInstanceError):
+                    found.ttft_s = 0.0  # type: ignore[misc]
+            assert predict(snapshot, request, "http://gone", params) == Prediction("http://gone", 0, None)
+    hand_built = Snapshot(views)  # no id index: the snapshot's own lookup
+    assert predict(hand_built, held, "http://b") == predict(snapshot, held, "http://b")
+
+
+def test_the_near_tie_pick_is_its_plain_definition() -> None:
+    # The pick's tie loop and load comparison, written out, against the definition: ties in
+    # candidate order, two drawn as `rng.sample` draws them, the lower (load, homed KV) wins.
+    def plain(tolerance: float, abs_s: float, candidates, scores, rng):
+        limit = min(scores) * (1 + tolerance) + abs_s
+        ties = [r for c, r in zip(scores, candidates) if c <= limit]
+        if len(ties) == 1:
+            return ties[0]
+        a, b = rng.sample(ties, 2)
+        return a if (a.load, a.homed_tokens) <= (b.load, b.homed_tokens) else b
+
+    cases = random.Random(11)
+    for _ in range(400):
+        views = [ReplicaView(f"r{i}", in_flight=cases.randrange(0, 4), homed_tokens=cases.choice([0, 5, 9]))
+                 for i in range(cases.randrange(1, 24))]
+        scores = [6.6 + cases.choice([0.0, 0.01, 0.011, 0.02, 0.5, float("nan")]) for _ in views]
+        tolerance, abs_s = cases.choice([(0.01, 0.02), (0.0, 0.0), (0.1, 0.5)])
+        seed = cases.randrange(1 << 30)
+        fast_rng, plain_rng = random.Random(seed), random.Random(seed)
+        try:
+            fast = NearTiePowerOfTwo(tolerance, abs_s)(views, scores, fast_rng)
+        except ValueError:
+            with pytest.raises(ValueError):
+                plain(tolerance, abs_s, views, scores, plain_rng)
+            continue
+        assert fast is plain(tolerance, abs_s, views, scores, plain_rng)
+        assert fast_rng.random() == plain_rng.random()  # the same draws
