@@ -83,6 +83,9 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.server.connections.discard(self)
+        if self._direct_body is not None:  # a body cut short: its length is no longer awaited
+            self._direct_body = None
+            self.server.body_arrived(self._direct_filled + self._direct_left)
         self._cancel_timer()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its handler (and the replica's work) ends
@@ -184,10 +187,11 @@ class Connection(asyncio.BufferedProtocol):
         if request is not None and self._body_length is not None and not self._in_head \
                 and not request._complete and not request._too_large:
             left = self._body_length - request._size
-            if left >= DIRECT_BODY_BYTES:
+            # (a buffer of the server's, given back once the body is read out; None while other
+            # bodies still to come hold the server's budget: then the parser takes it as it comes)
+            buffer = self.server.body_buffer(left) if left >= DIRECT_BODY_BYTES else None
+            if buffer is not None:
                 self._direct_left = left
-                # (a buffer of the server's, given back once the body is read out)
-                buffer = self.server.body_buffer(left)
                 request._lent = buffer
                 self._direct_body = body = memoryview(buffer)[:left]
                 self._direct_filled = 0
@@ -213,6 +217,7 @@ class Connection(asyncio.BufferedProtocol):
             self._pause_if_queued(request)
         if not self._direct_left:
             self._direct_body = None
+            self.server.body_arrived(self._direct_filled)
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()
 

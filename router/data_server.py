@@ -33,6 +33,10 @@ _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # t
 # Large bodies' buffers kept for the next ones: at most this many, none over this size.
 _SPARE_BODIES = 4
 _MAX_SPARE_BODY_BYTES = 8 << 20
+# Bytes of large bodies still to come that may be set aside before they arrive: a head alone
+# (its Content-Length, no body yet) must not reserve memory without bound. Past it, bodies are
+# parsed as they come, their memory growing with what has arrived.
+MAX_AWAITED_BODY_BYTES = 64 << 20
 
 
 class DataServer:
@@ -62,6 +66,7 @@ class DataServer:
         self.read_buffer = bytearray(READ_BUFFER_BYTES)
         self.read_view = memoryview(self.read_buffer)
         self._spare_bodies: list[bytearray] = []  # large bodies' buffers, read and given back
+        self.awaited_body_bytes = 0  # the lengths of the large bodies being read into their buffers
         # The handler chains, built once: middlewares around each route's handler.
         self._chains: dict[tuple[str, str], Handler] = {}
         for path, methods in routes.items():
@@ -74,15 +79,25 @@ class DataServer:
             handler = functools.partial(middleware, handler=handler)
         return handler
 
-    def body_buffer(self, size: int) -> bytearray:
+    def body_buffer(self, size: int) -> bytearray | None:
         """A buffer of at least `size` bytes for a large request body to be read into: the
-        smallest spare that fits, else a new one with room for a conversation's next turns
-        (each resends the last one's body and a little more)."""
+        smallest spare that fits, else a new one, with room for a conversation's next turns
+        (each resends the last one's body and a little more) if it could be kept as a spare.
+        None if the bodies awaited would pass MAX_AWAITED_BODY_BYTES; else `size` is awaited
+        until `body_arrived` says so."""
+        if self.awaited_body_bytes + size > MAX_AWAITED_BODY_BYTES:
+            return None
+        self.awaited_body_bytes += size
         spares = self._spare_bodies
         for i, buffer in enumerate(spares):  # (smallest first)
             if len(buffer) >= size:
                 return spares.pop(i)
-        return bytearray(size + (size >> 3))
+        room = size + (size >> 3)
+        return bytearray(room if room <= _MAX_SPARE_BODY_BYTES else size)
+
+    def body_arrived(self, size: int) -> None:
+        """A body `body_buffer` lent a buffer for is whole (or will never be): no longer awaited."""
+        self.awaited_body_bytes -= size
 
     def give_body_buffer(self, buffer: bytearray) -> None:
         """A body buffer whose body has been read out (nothing refers to its bytes any more)."""

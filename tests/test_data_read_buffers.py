@@ -112,3 +112,57 @@ def test_many_large_bodies_on_one_connection_reuse_nothing_of_each_other(loop_na
     with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
         seen, _ = runner.run(_exchange([_request(b) for b in bodies], len(bodies)))
     assert seen == _expected(*bodies)
+
+
+@pytest.mark.parametrize("loop_name", list(LOOPS))
+def test_heads_without_their_bodies_set_aside_no_more_than_the_budget(
+        loop_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads announcing large bodies that do not come set aside at most MAX_AWAITED_BODY_BYTES
+    between them (past it a body is parsed as it comes); each body, once sent, still arrives
+    whole, and a connection cut mid-body gives its share back."""
+    from kvrouter.router import data_server as data_server_module
+    monkeypatch.setattr(data_server_module, "MAX_AWAITED_BODY_BYTES", 1 << 20)
+    bodies = [_body(i, 400_000) for i in range(4)]
+
+    async def run() -> tuple[list[int], list[str], int]:
+        seen: list[str] = []
+
+        async def echo(request: Request) -> web.Response:
+            body = await request.read()
+            seen.append(f"{len(body)} {hashlib.sha256(body).hexdigest()}")
+            return web.Response(body=b"ok")
+
+        server = DataServer({"/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
+                            max_body_bytes=MAX_BODY, header_timeout_s=10, shutdown_grace_s=0)
+        port = await server.start("127.0.0.1", 0)
+        awaited: list[int] = []
+        try:
+            conns = []
+            for n, body in enumerate(bodies, 1):  # each head and a first piece, no more, in turn
+                conns.append(await asyncio.open_connection("127.0.0.1", port))
+                conns[-1][1].write(_request(body)[:-len(body) + 1000])
+                await conns[-1][1].drain()
+                async with asyncio.timeout(10):
+                    while len([c for c in server.connections if c._parsing is not None]) < n:
+                        await asyncio.sleep(0.01)
+            awaited.append(server.awaited_body_bytes)
+            conns[0][1].close()  # one client goes away mid-body
+            async with asyncio.timeout(10):
+                while len(server.connections) > len(bodies) - 1:
+                    await asyncio.sleep(0.01)
+            awaited.append(server.awaited_body_bytes)
+            for (reader, writer), body in zip(conns[1:], bodies[1:]):
+                writer.write(body[1000:])
+                await writer.drain()
+                async with asyncio.timeout(10):
+                    assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200 OK")
+                writer.close()
+            awaited.append(server.awaited_body_bytes)
+        finally:
+            await server.cleanup()
+        return awaited, seen, len(bodies)
+
+    with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
+        awaited, seen, _ = runner.run(run())
+    assert awaited == [2 * 399_000, 399_000, 0]  # the first two set aside, the others parsed as they come
+    assert seen == _expected(*bodies[1:])
