@@ -70,6 +70,7 @@ class Connection(asyncio.BufferedProtocol):
         self._direct_body: memoryview | None = None  # where they go: a buffer of the body's length
         self._direct_filled = 0  # bytes of `_direct_body` received
         self._input_closed = False  # a request that closes the connection has come: no more are read
+        self.streaming: StreamResponse | None = None  # the answer being served, once streamed
 
     # -- transport events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,26 +137,16 @@ class Connection(asyncio.BufferedProtocol):
             if not self.closing:
                 self._direct_received(nbytes)
             return
-        self._received(self.server.read_view[:nbytes], self.server.read_buffer)
+        self._received(self.server.read_view[:nbytes])
 
-    def data_received(self, data: bytes | memoryview) -> None:  # (a transport that has no buffers)
-        self._received(data, data if type(data) is bytes else None)
+    def data_received(self, data: bytes | memoryview) -> None:
+        """A transport without buffers (uvloop's and asyncio's TCP and TLS transports use the
+        buffers above): the same parse, a large read's body through the parser up to its end."""
+        self._received(data)
 
-    def _received(self, data: bytes | memoryview, searchable: bytes | bytearray | None) -> None:
-        """Parse `data`; `searchable`: the same bytes from offset 0 (to search without a copy)."""
+    def _received(self, data: bytes | memoryview) -> None:
         if self.closing or self.upgraded or self._input_closed:
             return
-        if searchable is not None and len(data) > DIRECT_BODY_BYTES and self._parsing is None \
-                and not self._in_head:
-            # A large read that begins a request: the parser gets its head alone, so that a
-            # large body that came with it is taken past the parser (which would copy it) too.
-            end = searchable.find(b"\r\n\r\n", 0, min(len(data), MAX_HEAD_BYTES))
-            if 0 < end and end + 4 < len(data):
-                view = memoryview(data)
-                self._received(view[:end + 4], None)
-                data = view[end + 4:]
-                if self.closing or self.upgraded or self._input_closed:
-                    return
         if self._direct_left:
             data = self._receive_direct(data)
             if not data or self._input_closed:
@@ -356,6 +347,7 @@ class Connection(asyncio.BufferedProtocol):
         self._finished(request)
 
     async def _run(self, request: Request) -> None:
+        self.streaming = None
         try:
             server = self.server  # (`DataServer.dispatch`, without a coroutine of its own)
             method = request.method
@@ -371,6 +363,13 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = error_response(500, "internal router error", "internal_error")
         if self.closing:
+            return
+        started = self.streaming
+        if started is not None and started is not response and started._head is None:
+            # The handler failed after its stream's head went out: another answer would land
+            # inside that body. Closing ends the stream; the client sees it cut short.
+            log.error("%s %s failed after its answer began: connection closed", request.method, request.path)
+            self._close()
             return
         try:
             if isinstance(response, StreamResponse):

@@ -144,6 +144,7 @@ class StreamResponse:
     async def prepare(self, request: Request) -> None:
         conn = request._conn
         self._conn = conn
+        conn.streaming = self  # (a handler that fails after its head went out cannot answer again)
         # HEAD, 1xx, 204 and 304 answers end with their head (RFC 9112 section 6.3): a body
         # or a chunked terminator would be read as the start of the next answer.
         self._bodiless = bodiless(request.method, self.status)

@@ -88,6 +88,30 @@ async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 500
 
 
+async def test_a_handler_failing_after_its_stream_head_went_out_ends_the_connection_not_a_second_answer():
+    from kvrouter.router.data_http import StreamResponse
+    from kvrouter.router.middlewares import errors_middleware
+
+    async def fails_midway(request):
+        response = StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        response.send_head()  # as the relay does while the replica prefills
+        raise RuntimeError("a bug after the head went out")
+
+    server = DataServer({"/x": {"GET": fails_midway}}, [errors_middleware(1000)], [], max_body_bytes=1000,
+                        header_timeout_s=5, shutdown_grace_s=0.1)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = await _read_all(reader)
+        writer.close()
+    finally:
+        await server.cleanup()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert data.count(b"HTTP/1.1") == 1, data  # no 500 inside the stream's body: the connection ends
+
+
 async def test_a_pipelined_body_waiting_behind_a_slow_answer_is_not_buffered_whole():
     release = asyncio.Event()
 
