@@ -61,7 +61,7 @@ BASE_HOOKS = (  # (mark, target, "before" or "after" the call); the first four a
 )
 DETAIL_HOOKS = (  # --detail: finer marks inside the segments
     ("d:dispatch", "data_server:DataServer.dispatch", "before"),
-    ("d:client_data_done", "data_connection:Connection.data_received", "after"),
+    ("d:client_data_done", "data_connection:Connection.buffer_updated", "after"),
     ("d:handle_inference", "handlers:Handlers.handle_inference", "before"),
     ("d:body_parsed", "body_prefixes:BodyPrefixes.loads", "after"),
     ("d:forward", "relay:Relay.forward", "before"),

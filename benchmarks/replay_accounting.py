@@ -43,11 +43,11 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def wait_seconds(pid: int) -> float:
-    """Seconds the threads of `pid` and its live descendants spent runnable but waiting for a
+def wait_seconds(pid: int, descendants: bool = True) -> float:
+    """Seconds the threads of `pid` (and its live descendants) spent runnable but waiting for a
     CPU (the scheduler's run delay, /proc/PID/task/TID/schedstat); 0 where it is not kept."""
     total = 0
-    for p in _tree(pid):
+    for p in _tree(pid) if descendants else [pid]:
         try:
             tids = os.listdir(f"/proc/{p}/task")
         except OSError:
@@ -70,7 +70,8 @@ def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] |
                            "driver": _driver_cpu_seconds(),
                            "wait": {"router": wait_seconds(router_pid),
                                     "replicas": [wait_seconds(p) for p in replica_pids],
-                                    "driver": wait_seconds(os.getpid())}}
+                                    # the driver alone: the router and replicas are its children
+                                    "driver": wait_seconds(os.getpid(), descendants=False)}}
     if before is None:
         return now
 
@@ -84,10 +85,12 @@ def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] |
 
 def router_split(records: list[RequestRecord], decisions: Path, time_scale: float) -> dict[str, Any] | None:
     """Where a kvrouter contender's time to first token went, per request joined to its
-    decision-log line by request id, in wall ms: `added` is the client's TTFT minus the
-    router's own (from its write to the replica to the replica's first bytes), i.e. the time
-    the router and the hops through it added; `routed` the part from the request's handler
-    starting to its write to the replica. None without a decision log or a joined request."""
+    decision-log line by request id, in wall ms: `added` is the client's TTFT (its first
+    content token) minus the router's own (from its write to the replica to the replica's first
+    bytes), i.e. the time the router and the hops through it added, plus any gap between the
+    replica's first bytes and the first content token the client counts; `routed` the part
+    from the request's handler starting to its write to the replica. None without a decision
+    log or a joined request."""
     if not decisions.exists():
         return None
     lines = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,25 @@ def test_every_prompt_is_rendered_before_the_first_contender_runs() -> None:
     replayed = arrivals[0][1].restarted().next_requests(None)[0]  # a contender's copy of the replay
     assert all(seg._text is not None for seg in replayed.segments)
 
+
+
+def test_the_driver_s_cpu_wait_counts_the_driver_alone_not_the_router_and_replicas_it_started(monkeypatch):
+    """The router and replicas are the driver's child processes: their waits are reported apart,
+    so the driver's own must not include them (its CPU seconds, from os.times(), do not)."""
+    accounting = load_benchmark("replay_accounting")
+    asked: list[int] = []
+    real_tree = accounting._tree
+
+    def tree(pid: int) -> list[int]:
+        asked.append(pid)
+        return real_tree(pid)
+
+    monkeypatch.setattr(accounting, "_tree", tree)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        split = accounting.cpu_split(child.pid, [])
+    finally:
+        child.kill()
+        child.wait()
+    assert os.getpid() not in asked and asked == [child.pid]
+    assert split["wait"]["driver"] >= 0

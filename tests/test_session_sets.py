@@ -221,10 +221,26 @@ def test_repeats_of_one_set_are_reported_as_runs(tmp_path: Path) -> None:
     report.write_sets_outputs(runs, tmp_path, "python benchmarks/live_sweep_report.py --combine", None)
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("# Live sweep repeated: mean and range per contender over 2 runs of session set 1")
-    assert "met per set (run 1, run 2)" in text and "mean and range over the runs" in text
+    assert "met per run (run 1, run 2)" in text and "mean and range over the runs" in text
 
 
 def test_report_script_answers_help_without_reading_a_file() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "live_sweep_report.py"), "--help"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "--combine" in done.stdout and not done.stderr
+
+
+def test_runs_combined_are_each_judged_against_the_peers_they_all_ran(tmp_path: Path) -> None:
+    """A run with an extra peer (here one ahead of the judged policy) is judged, in the combined
+    report, against the peers every run had, as the means are."""
+    report = load_benchmark("live_sweep_report")
+    plain = _set(1, 0.90, {"me": 0.80, "peer": 0.70}, {"me": 1.0, "peer": 2.0})
+    extra = _set(1, 0.90, {"me": 0.80, "peer": 0.70, "variant": 0.81}, {"me": 1.0, "peer": 2.0, "variant": 1.0})
+    extra["peers"] = ["peer", "variant"]
+    for d in (plain, extra):
+        for p in d["points"]:
+            p["verdict"] = report.verdict(p, d["judged"], d["peers"], d["trace"]["reuse_bound"])
+    assert not extra["points"][0]["verdict"]["met"]  # against the variant, in its own run
+    summary = report.write_sets_outputs([plain, extra], tmp_path, "python benchmarks/live_sweep_report.py", None)
+    assert summary["peers"] == ["peer"]
+    assert [v["met"] for v in summary["points"][0]["verdict_per_set"]] == [True, True]
