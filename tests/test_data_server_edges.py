@@ -70,11 +70,9 @@ async def test_http_1_0_keep_alive_is_acknowledged_and_the_connection_reused(sta
     assert data.startswith(b"HTTP/1.1 200") and b"connection: close" in data.lower()
 
 
-async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
-    async def broken(request):  # a header no encoding can carry (a lone surrogate)
-        return WholeResponse(200, b"{}", CIMultiDict({"X-Bad": "\ud800"}))
-
-    server = DataServer({"/x": {"GET": broken}}, [], [], max_body_bytes=1000,
+async def _get_x(handler, middlewares) -> bytes:
+    """All a client reads for `GET /x` from a data server whose only route is `handler`."""
+    server = DataServer({"/x": {"GET": handler}}, middlewares, [], max_body_bytes=1000,
                         header_timeout_s=5, shutdown_grace_s=0.1)
     port = await server.start("127.0.0.1", 0)
     try:
@@ -84,6 +82,14 @@ async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
         writer.close()
     finally:
         await server.cleanup()
+    return data
+
+
+async def test_an_answer_that_cannot_be_written_is_a_json_500_not_a_hang():
+    async def broken(request):  # a header no encoding can carry (a lone surrogate)
+        return WholeResponse(200, b"{}", CIMultiDict({"X-Bad": "\ud800"}))
+
+    data = await _get_x(broken, [])
     assert data.startswith(b"HTTP/1.1 500"), data[:200]
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == 500
 
@@ -98,16 +104,7 @@ async def test_a_handler_failing_after_its_stream_head_went_out_ends_the_connect
         response.send_head()  # as the relay does while the replica prefills
         raise RuntimeError("a bug after the head went out")
 
-    server = DataServer({"/x": {"GET": fails_midway}}, [errors_middleware(1000)], [], max_body_bytes=1000,
-                        header_timeout_s=5, shutdown_grace_s=0.1)
-    port = await server.start("127.0.0.1", 0)
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-        data = await _read_all(reader)
-        writer.close()
-    finally:
-        await server.cleanup()
+    data = await _get_x(fails_midway, [errors_middleware(1000)])
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert data.count(b"HTTP/1.1") == 1, data  # no 500 inside the stream's body: the connection ends
 

@@ -27,6 +27,18 @@ from kvrouter.router.serve import start_site
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 
 
+def _replica_app(chat) -> web.Application:
+    """A replica answering chat completions with `chat`, and its health check."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
 def scripted_upstream(pieces: list[bytes], delay_s: float = 0.02, abort: bool = False,
                       last_with_end: bool = False) -> web.Application:
     """Writes `pieces` one by one with a pause between them (so the router reads them apart);
@@ -49,13 +61,7 @@ def scripted_upstream(pieces: list[bytes], delay_s: float = 0.02, abort: bool = 
         await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    return app
+    return _replica_app(chat)
 
 
 async def _router(replica: str) -> tuple[Router, web.AppRunner, int]:
@@ -89,19 +95,33 @@ def _post(writer: asyncio.StreamWriter) -> None:
                  b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
 
 
+async def _read_to_chunked_end(reader: asyncio.StreamReader) -> bytes:
+    """What the client reads until the chunked body's terminator."""
+    body = b""
+    while not body.endswith(b"0\r\n\r\n"):
+        got = await asyncio.wait_for(reader.read(65536), 10)
+        assert got, body
+        body += got
+    return body
+
+
+async def _post_and_read_once(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A client's connection to the router on `port`, its streamed chat request, its first read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    _post(writer)
+    await writer.drain()
+    return reader, writer, await asyncio.wait_for(reader.read(65536), 10)
+
+
 async def test_headers_leave_with_a_first_event_that_came_with_them_and_nodelay_on_both_sides():
     first, rest = b'data: {"n":0}\n\n', b"data: [DONE]\n\n"
     release = asyncio.Event()
     server, replica = await _raw_upstream(first, rest, release)
     router, runner, port = await _router(replica)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        _post(writer)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.read(65536), 10)
+        reader, writer, head = await _post_and_read_once(port)
         # The replica's first event came with its headers: both reach the client in one write.
-        assert head.startswith(b"HTTP/1.1 200"), head
-        assert first in head, head
+        assert head.startswith(b"HTTP/1.1 200") and first in head, head
         # Both of the router's sockets for this exchange have Nagle off.
         server_socks = [h.transport.get_extra_info("socket") for h in runner.connections
                         if h.transport is not None]
@@ -111,11 +131,7 @@ async def test_headers_leave_with_a_first_event_that_came_with_them_and_nodelay_
         assert upstream_socks
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in upstream_socks)
         release.set()
-        body = b""
-        while not body.endswith(b"0\r\n\r\n"):
-            got = await asyncio.wait_for(reader.read(65536), 10)
-            assert got, body
-            body += got
+        body = await _read_to_chunked_end(reader)
         assert rest in body
         writer.close()
     finally:
@@ -137,13 +153,7 @@ def _head_then_event_upstream(first: bytes, release: asyncio.Event, pause_s: flo
         await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    return app
+    return _replica_app(chat)
 
 
 async def test_an_event_shortly_after_the_replicas_headers_leaves_with_them(start_app, monkeypatch):
@@ -153,13 +163,9 @@ async def test_an_event_shortly_after_the_replicas_headers_leaves_with_them(star
     release.set()
     router, runner, port = await _router(await start_app(_head_then_event_upstream(first, release, 0.05)))
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        _post(writer)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.read(65536), 10)
+        reader, writer, head = await _post_and_read_once(port)
         # The replica's head and its first event came in two reads 50 ms apart: one write.
-        assert head.startswith(b"HTTP/1.1 200"), head
-        assert first in head, head
+        assert head.startswith(b"HTTP/1.1 200") and first in head, head
         writer.close()
     finally:
         await runner.cleanup()
@@ -179,11 +185,7 @@ async def test_headers_leave_alone_while_the_replica_holds_its_first_event(start
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"transfer-encoding: chunked" in head.lower(), head
         release.set()
-        body = b""
-        while not body.endswith(b"0\r\n\r\n"):
-            got = await asyncio.wait_for(reader.read(65536), 10)
-            assert got, body
-            body += got
+        body = await _read_to_chunked_end(reader)
         assert body == b"%x\r\n%b\r\n0\r\n\r\n" % (len(first), first), body
         writer.close()
     finally:
