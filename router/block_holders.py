@@ -149,8 +149,8 @@ def match_prefix(
     """
     if not blocks:
         return {}
-    mask = holders.mask
-    first = mask(blocks[0])
+    masks = holders._masks.get  # `holders.mask`, without a Python call per lookup
+    first = masks(blocks[0], 0)
     if not first:
         return {}
     cap = first.bit_count() if limit is None else limit
@@ -170,19 +170,25 @@ def match_prefix(
             matched[replica] = depth * block_tokens
 
     last_index = len(blocks) - 1
-    last = mask(blocks[last_index]) & first
+    last = masks(blocks[last_index], 0) & first
     if last:
         take(last, len(blocks))
+    # Intervals (lo, hi, holders at lo, holders at hi) where somebody stops holding, deepest on
+    # top. The deeper half of an interval is walked at once (it would be popped next), and the
+    # shallower one is kept only if somebody stops in it: an append turn's one breakpoint costs
+    # a lookup per halving and nothing pushed.
     stack = [(0, last_index, first, last)]
     while stack and len(matched) < cap:
         lo, hi, at_lo, at_hi = stack.pop()
-        if at_lo.bit_count() == at_hi.bit_count():
-            continue  # nobody stops holding between lo and hi
-        if hi - lo == 1:
-            take(at_lo & ~at_hi, hi)
-            continue
-        mid = (lo + hi) // 2
-        at_mid = mask(blocks[mid]) & at_lo
-        stack.append((lo, mid, at_lo, at_mid))
-        stack.append((mid, hi, at_mid, at_hi))  # deeper half first
+        lo_count, hi_count = at_lo.bit_count(), at_hi.bit_count()
+        while lo_count != hi_count:  # somebody stops holding between lo and hi
+            if hi - lo == 1:
+                take(at_lo & ~at_hi, hi)
+                break
+            mid = (lo + hi) // 2
+            at_mid = masks(blocks[mid], 0) & at_lo
+            mid_count = at_mid.bit_count()
+            if mid_count != lo_count:
+                stack.append((lo, mid, at_lo, at_mid))  # after the deeper half
+            lo, at_lo, lo_count = mid, at_mid, mid_count
     return matched

@@ -9,6 +9,7 @@ exactly as long as their text agrees. The chain is seeded by a namespace of mode
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -158,8 +159,12 @@ def chain_block_hashes(
     """Continue a block chain: `hasher` has absorbed `data[:start]` (whole blocks, whose hashes
     are `before`); returns it having absorbed every whole block of `data`, and all the hashes."""
     view = memoryview(data)
-    out = []
+    update, copy = hasher.update, hasher.copy
+    digests = []
     for begin in range(start, len(data) - block_chars + 1, block_chars):
-        hasher.update(view[begin : begin + block_chars])
-        out.append(int.from_bytes(hasher.copy().digest(), "big", signed=True))
-    return hasher, before + tuple(out) if before else tuple(out)
+        update(view[begin : begin + block_chars])
+        digests.append(copy().digest())
+    # each 8-byte digest as a signed big-endian int, all in one call (not one per block)
+    out = struct.unpack(f">{len(digests)}q", b"".join(digests)) if hasher.digest_size == 8 \
+        else tuple(int.from_bytes(digest, "big", signed=True) for digest in digests)
+    return hasher, before + out if before else out

@@ -160,3 +160,24 @@ def test_shadow_index_lru_order_and_gc_untracked():
     gc.collect()
     assert not any(gc.is_tracked(state.owner) for state in idx._replicas.values())
     assert not gc.is_tracked(idx._holders._masks)
+
+
+def test_long_chains_with_many_breakpoints_match_like_the_sets():
+    """Prompts of thousands of blocks, replicas holding prefixes of every depth (some sharing a
+    depth, some holding stray deeper blocks): the same matches, in the same order, at every
+    limit (the bisection walks long runs of halvings between breakpoints)."""
+    rng = random.Random(3)
+    for _ in range(40):
+        length = rng.randrange(1, 3000)
+        blocks = list(range(length))
+        bits, sets = BlockHolders(), {}
+        for r in range(rng.randrange(1, 12)):
+            depth = rng.choice([length, length - 1, rng.randrange(1, length + 1)])
+            held = blocks[:depth] + rng.sample(blocks, min(length, rng.randrange(0, 3)))
+            for block in held:
+                bits.add(block, f"r{r}")
+                sets.setdefault(block, set()).add(f"r{r}")
+        for limit in (None, 1, 2, 5):
+            query = blocks[:rng.randrange(1, length + 1)] if rng.random() < 0.3 else blocks
+            got = match_prefix(bits, query, limit, 64)
+            assert list(got.items()) == list(match_with_sets(sets, query, limit, 64).items())

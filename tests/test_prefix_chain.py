@@ -380,3 +380,23 @@ def test_chat_hashes_of_bodies_sharing_the_stored_messages_equal_the_full_hash(s
         data = prompt_bytes_and_boundaries(CHAT, body)[0]
         assert chains.chat_block_hashes(body, b"ns", BLOCK, session) == \
             (text_block_hashes(data, b"ns", BLOCK), len(data))
+
+
+def test_block_hashes_are_each_blocks_chained_digest_as_a_signed_int():
+    """Pinned: block i's hash is the 8-byte blake2b digest (keyed by nothing, seeded with the
+    namespace) of blocks 0..i, read as a signed big-endian int; continuing a chain from a
+    stored state gives the same hashes as hashing the whole."""
+    import hashlib
+
+    from kvrouter.router.prefix import chain_block_hashes, text_block_hashes
+
+    data = bytes(range(256)) * 9 + b"tail"
+    reference, h = [], hashlib.blake2b(b"ns", digest_size=8)
+    for begin in range(0, len(data) - 63, 64):
+        h.update(data[begin:begin + 64])
+        reference.append(int.from_bytes(h.copy().digest(), "big", signed=True))
+    assert text_block_hashes(data, b"ns", 64) == tuple(reference)
+    assert any(x < 0 for x in reference) and any(x > 0 for x in reference)
+    hasher, head = chain_block_hashes(hashlib.blake2b(b"ns", digest_size=8), data[:640], 0, 64, ())
+    assert chain_block_hashes(hasher, data, 640, 64, head)[1] == tuple(reference)
+    assert chain_block_hashes(hashlib.blake2b(b"ns", digest_size=8), b"short", 0, 64, ())[1] == ()
