@@ -3,17 +3,16 @@ httptools (llhttp, the parser uvicorn uses) and answered one at a time, each who
 transport write (router/data_server.py serves them).
 
 Reads go into the server's one read buffer and are parsed from there (the parser copies what it
-keeps), but a large Content-Length body's: the socket reads it straight into a buffer of its
-length (no copy of each read into a bytes object; the body's one copy is its join into bytes).
+keeps); the rest of a large Content-Length body is read by the socket straight into a buffer of
+its length (the server bounds how much may wait so: router/data_server.py).
 
-One request at a time per connection: requests a client pipelines are parsed as they arrive and
-served in order. A client that goes away cancels the handler of its request (the relay then
-aborts the replica's). Whole answers are aiohttp `web.Response` values (the handlers and the
-error helpers build them; the admin API shares the helpers) or a relayed `WholeResponse`;
-streamed answers are `StreamResponse` (router/data_http.py), whose headers go out with its
-first body bytes (or alone, when the relay has none to send for a while). HEAD, 1xx, 204 and
-304 answers carry no body. A client that stops reading gets no next pipelined answer until it
-drains the last one.
+One request at a time per connection: pipelined requests are parsed as they arrive and served in
+order. A client that goes away cancels its request's handler (the relay then aborts the
+replica's). Whole answers are aiohttp `web.Response` values (built by the handlers and the error
+helpers the admin API shares) or a relayed `WholeResponse`; streamed ones are `StreamResponse`
+(router/data_http.py), whose headers go out with its first body bytes (or alone, when the relay
+has none for a while). HEAD, 1xx, 204 and 304 answers carry no body. A client that stops reading
+gets no next pipelined answer until it drains the last one.
 """
 
 from __future__ import annotations
@@ -140,8 +139,7 @@ class Connection(asyncio.BufferedProtocol):
         self._received(self.server.read_view[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
-        """A transport without buffers (uvloop's and asyncio's TCP and TLS transports use the
-        buffers above): the same parse, a large read's body through the parser up to its end."""
+        """A transport without buffers (uvloop's and asyncio's use them): the same parse."""
         self._received(data)
 
     def _received(self, data: bytes | memoryview) -> None:
