@@ -39,6 +39,15 @@ def _streaming_app(release: asyncio.Event) -> web.Application:
     return app
 
 
+async def _logged_router(start_app, start_router, path: Path, release: asyncio.Event, **config: Any):
+    """A replica streaming once `release` is set, and a router in front of it writing its
+    decision log to `path` (no polls during a test); returns (router, url, replica)."""
+    replica = await start_app(_streaming_app(release))
+    router, url = await start_router([replica], signals={"interval_s": 60},
+                                     observability={"decision_log": str(path)}, **config)
+    return router, url, replica
+
+
 def _ttfb_count(router: Any, replica: str) -> float:
     router.metrics.render()  # deferred observations reach the histograms
     return router.metrics.registry.get_sample_value(
@@ -104,10 +113,8 @@ async def test_a_client_gone_as_the_first_bytes_are_written_still_leaves_every_r
 
     monkeypatch.setattr(data_http.StreamResponse, "write", gone)
     release = asyncio.Event()
-    replica = await start_app(_streaming_app(release))
     path = tmp_path / "decisions.jsonl"
-    router, url = await start_router([replica], signals={"interval_s": 60},
-                                     observability={"decision_log": str(path)})
+    router, url, replica = await _logged_router(start_app, start_router, path, release)
     try:
         async with ClientSession() as client:
             async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
@@ -203,11 +210,9 @@ async def test_decision_notes_are_worked_out_once_the_request_is_sent(start_app,
     monkeypatch.setattr(RoutingEngine, "notes", logged_notes)
     release = asyncio.Event()
     release.set()
-    replica = await start_app(_streaming_app(release))
     path = tmp_path / "decisions.jsonl"
-    router, url = await start_router([replica], signals={"interval_s": 60},
-                                     observability={"decision_log": str(path)},
-                                     routing={"shadow": ["consistent-hash"]})
+    router, url, replica = await _logged_router(start_app, start_router, path, release,
+                                                routing={"shadow": ["consistent-hash"]})
     async with ClientSession() as client:
         for _ in range(2):  # the second goes on the pooled connection
             async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:

@@ -13,7 +13,7 @@ from aiohttp import ClientSession, web
 
 from kvrouter.router.engine import RoutingEngine
 
-from .test_first_byte_order import CHAT, TOKEN, _lines, _record_order, _streaming_app, _ttfb_count
+from .test_first_byte_order import CHAT, TOKEN, _lines, _logged_router, _record_order, _ttfb_count
 
 
 def _app(handle) -> web.Application:
@@ -103,11 +103,9 @@ async def test_notes_that_fail_cost_the_request_nothing(start_app, start_router,
     monkeypatch.setattr(RoutingEngine, "notes", broken)
     release_now = asyncio.Event()
     release_now.set()
-    replica = await start_app(_streaming_app(release_now))
     path = tmp_path / "decisions.jsonl"
-    _, url = await start_router([replica], signals={"interval_s": 60},
-                                observability={"decision_log": str(path)},
-                                routing={"shadow": ["consistent-hash"]})
+    _, url, replica = await _logged_router(start_app, start_router, path, release_now,
+                                           routing={"shadow": ["consistent-hash"]})
     async with ClientSession() as client:
         async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200
