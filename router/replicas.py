@@ -186,9 +186,8 @@ class ReplicaRegistry:
         """The current views. `by_id` is a read-only window on the live table: consistent with
         `replicas` for as long as a synchronous policy call lasts, which is all a policy gets."""
         if self._in_flight or self._homed:
-            for url in [*self._in_flight, *self._homed]:
-                if url in self._in_flight or url in self._homed:  # (not applied with the other)
-                    self._apply_noted(url)
+            for url in {**self._in_flight, **self._homed}:  # each once: it applies both notes
+                self._apply_noted(url)
         if self._snapshot is None:
             self._snapshot = _new_snapshot(
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
