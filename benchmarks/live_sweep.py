@@ -107,7 +107,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Live sweep of routers over replayed Claude Code sessions")
-    p.add_argument("--traces", nargs="+", default=[str(ROOT / "benchmarks" / "traces")],
+    p.add_argument("--traces", nargs="+", default=None,
                    help="kv-cache-tester trace files or folders (default benchmarks/traces)")
     p.add_argument("--session-sets", type=_ints, default=None, metavar="N,N,...",
                    help="replay every point once per session set instead of --traces (1 is benchmarks/traces, "
@@ -142,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.kinds) <= {"sim", "mini"}:
         p.error("--kinds: sim and/or mini")
     args.policies = [x for x in args.policies.split(",") if x]
+    if args.session_sets is not None and args.traces is not None:
+        p.error("--session-sets replaces --traces: give one of them")
+    if args.traces is None:
+        args.traces = [str(ROOT / "benchmarks" / "traces")]
     if args.session_sets is not None:
         if not args.session_sets or len(set(args.session_sets)) != len(args.session_sets):
             p.error("--session-sets: distinct set numbers, e.g. 1,2,3")

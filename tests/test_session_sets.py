@@ -149,6 +149,9 @@ def test_session_sets_option_names_existing_sets_only() -> None:
     for bad in ("9", "2,2", "0"):
         with pytest.raises(SystemExit):
             sweep.parse_args(["--session-sets", bad])
+    # The sets replace --traces: both at once would silently replay the sets alone.
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--session-sets", "2", "--traces", "benchmarks/traces/set2"])
 
 
 def test_saved_runs_combine_into_one_summary(tmp_path: Path) -> None:
