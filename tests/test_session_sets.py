@@ -182,7 +182,7 @@ def test_routing_doc_other_sessions_quotes_the_saved_runs() -> None:
     report = load_benchmark("live_sweep_report")
     doc = (ROOT / "docs" / "routing.md").read_text()
     section = doc[doc.index("## Other sessions"):doc.index("## Measured in the simulator")]
-    runs = {1: ROOT / "docs/live-sweep/results.json",
+    runs = {1: ROOT / "docs/live-sweep/runs/2afe9d4/results.json",  # the sets ran at that sweep's commit
             2: ROOT / "docs/live-sweep/sets/set-2/results.json",
             3: ROOT / "docs/live-sweep/sets/set-3/results.json"}
     names = ["coding-agent", "vllm_consistent_hash", "smg_cache_aware", "consistent_hash"]
