@@ -29,7 +29,7 @@ def _bytes_storage_offset() -> int | None:
     offset = bytes.__basicsize__ - 1
     try:
         probe = _new_bytes(None, 64)
-        view = memoryview((ctypes.c_char * 64).from_address(id(probe) + offset)).cast("B")
+        view = _memory_view(id(probe) + offset, 64, _WRITABLE)
         view[:] = bytes(range(64))
         del view
     except (AttributeError, TypeError, ValueError):
@@ -37,10 +37,15 @@ def _bytes_storage_offset() -> int | None:
     return offset if probe == bytes(range(64)) else None
 
 
+_WRITABLE = 0x200  # PyBUF_WRITE
 try:
     _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
     _new_bytes.restype = ctypes.py_object
     _new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+    # a view straight over memory (not a ctypes array: that makes a type per body length)
+    _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+    _memory_view.restype = ctypes.py_object
+    _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
     _OFFSET = _bytes_storage_offset()
 except (AttributeError, OSError):  # no C API to call: bytearrays
     _OFFSET = None
@@ -50,19 +55,19 @@ def blank_body(size: int, in_place: bool = True) -> tuple[bytes | bytearray, mem
     """An object to hold a body of `size` bytes and a writable view of all of it: a bytes
     object nobody else has seen (its contents are undefined until written), or, without
     `in_place` or where that cannot be done, a bytearray. The view must be dropped before the
-    object is handed to anyone: the view also keeps the object alive while it is being filled."""
+    object is handed to anyone. A view of bytes does not keep them alive: whoever fills it
+    holds the object until the view is dropped."""
     if in_place and _OFFSET is not None and size > 0:
         body = _new_bytes(None, size)
-        storage = (ctypes.c_char * size).from_address(id(body) + _OFFSET)
-        storage.owner = body  # the view keeps what it writes into alive
-        return body, memoryview(storage).cast("B")
+        return body, _memory_view(id(body) + _OFFSET, size, _WRITABLE)
     buffer = bytearray(size)
     return buffer, memoryview(buffer)
 
 
 def body_with_room(received: list[bytes | memoryview], left: int) -> tuple[bytes | bytearray, memoryview]:
     """`blank_body` for a body whose first bytes are `received` (copied in) and whose last
-    `left` are still to come: the body, and a writable view of where those go."""
+    `left` are still to come: the body, and a writable view of where those go (which, as
+    `blank_body`'s, does not keep the body alive)."""
     start = sum(map(len, received))
     body, view = blank_body(start + left)
     at = 0

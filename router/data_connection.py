@@ -68,6 +68,7 @@ class Connection(asyncio.BufferedProtocol):
         self._body_length: int | None = None  # the Content-Length of the body being parsed
         self._direct_left = 0  # body bytes still to come past the parser (`_receive_direct`)
         self._direct_body: memoryview | None = None  # where they go: the rest of the body's bytes
+        self._direct_owner: bytes | bytearray | None = None  # those bytes, alive while filled
         self._direct_filled = 0  # bytes of `_direct_body` received
         self._input_closed = False  # a request that closes the connection has come: no more are read
         self.streaming: StreamResponse | None = None  # the answer being served, once streamed
@@ -85,7 +86,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closing = True
         self.server.connections.discard(self)
         if self._direct_body is not None:  # a body cut short: its length is no longer awaited
-            self._direct_body = None
+            self._direct_body = self._direct_owner = None
             self.server.body_arrived(self._direct_filled + self._direct_left)
         self._cancel_timer()
         if self._task is not None and not self._task.done():
@@ -181,7 +182,7 @@ class Connection(asyncio.BufferedProtocol):
             # takes it as it comes)
             if left >= DIRECT_BODY_BYTES and self.server.reserve_body(left):
                 body, self._direct_body = body_with_room(request._chunks, left)
-                request._chunks = [body]  # what the handler gets, once the rest is read into it
+                request._chunks, self._direct_owner = [body], body  # the handler's, once whole
                 self._direct_left, self._direct_filled = left, 0
 
     def _receive_direct(self, data: bytes | memoryview) -> bytes | memoryview:
@@ -203,7 +204,7 @@ class Connection(asyncio.BufferedProtocol):
             request._size += nbytes
             self._pause_if_queued(request)
         if not self._direct_left:
-            self._direct_body = None
+            self._direct_body = self._direct_owner = None
             self.server.body_arrived(self._direct_filled)
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()

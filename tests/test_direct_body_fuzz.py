@@ -12,6 +12,7 @@ cannot pin where its reads end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 from typing import Any
 from unittest import mock
@@ -315,8 +316,9 @@ async def test_a_large_body_is_read_straight_into_the_bytes_its_handler_gets(
     _read_into_buffers(conn, head + body[:1000])
     buffer = conn.get_buffer(-1)
     assert buffer.obj is not server.read_buffer and len(buffer) == size - 1000
-    target = buffer.obj.owner if in_place else buffer.obj  # what the view writes into
+    target = conn._direct_owner  # what the view writes into, held while it is filled
     assert type(target) is (bytes if in_place else bytearray) and len(target) == size
+    assert in_place or buffer.obj is target
     buffer[:size - 1000] = body[1000:]
     del buffer  # (a transport lets go of the view once the read is reported)
     conn.buffer_updated(size - 1000)
@@ -325,7 +327,7 @@ async def test_a_large_body_is_read_straight_into_the_bytes_its_handler_gets(
             break
         await asyncio.sleep(0)
     assert seen == [body] and type(seen[0]) is bytes
-    assert (seen[0] is target) is in_place
+    assert (seen[0] is target) is in_place and conn._direct_owner is None
     assert conn.get_buffer(-1).obj is server.read_buffer
     for _ in range(50):
         if transport.written:
@@ -343,6 +345,42 @@ async def test_a_large_body_is_read_straight_into_the_bytes_its_handler_gets(
             break
         await asyncio.sleep(0)
     assert seen == [body, second] and seen[0] is not seen[1]
+    assert server.awaited_body_bytes == 0
+
+
+async def test_a_large_body_answered_before_it_is_whole_stays_held_until_the_connection_ends() -> None:
+    """A handler that answers without reading its large body lets the request drop it (and the
+    connection closes after the answer); what the transport may still read goes into those
+    bytes, which a view of them does not keep alive: the connection holds them until it ends,
+    then gives the body's share of the budget back."""
+
+    async def quick(request: Request) -> web.Response:
+        return web.Response(body=b"early")
+
+    server = DataServer({"/quick": {"POST": quick}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    body = _body(7, 2 * DIRECT + 500)
+    _read_into_buffers(conn, b"POST /quick HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                       + body[:500])
+    held = conn._direct_owner
+    assert held is not None and server.awaited_body_bytes == len(body) - 500
+    for _ in range(50):
+        if transport.written:
+            break
+        await asyncio.sleep(0)
+    assert b"".join(transport.written).endswith(b"early") and conn.closing
+    gc.collect()
+    assert conn._direct_owner is held  # the request let go of it; the connection has not
+    _read_into_buffers(conn, body[500:1500])  # a read already under way lands in live memory
+    for _ in range(50):
+        if conn not in server.connections:
+            break
+        await asyncio.sleep(0)
+    assert conn._direct_owner is None and conn._direct_body is None
     assert server.awaited_body_bytes == 0
 
 
