@@ -3,8 +3,8 @@ httptools (llhttp, the parser uvicorn uses) and answered one at a time, each who
 transport write (router/data_server.py serves them).
 
 Reads go into the server's one read buffer and are parsed from there (the parser copies what it
-keeps); the rest of a large Content-Length body is read by the socket straight into a buffer of
-its length (the server bounds how much may wait so: router/data_server.py).
+keeps); the rest of a large Content-Length body is read by the socket straight into the bytes
+its handler gets (router/body_bytes.py; router/data_server.py bounds how much may wait so).
 
 One request at a time per connection: pipelined requests are parsed as they arrive and served in
 order. A client that goes away cancels its request's handler (the relay then aborts the
@@ -27,6 +27,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from .body_bytes import body_with_room
 from .data_http import Request, StreamResponse, WholeResponse, bodiless
 from .errors import error_response
 from .data_limits import (DIRECT_BODY_BYTES, MALFORMED_KINDS, MAX_HEAD_BYTES, MAX_HEADER_BYTES,
@@ -66,7 +67,8 @@ class Connection(asyncio.BufferedProtocol):
         self._reading_paused = False
         self._body_length: int | None = None  # the Content-Length of the body being parsed
         self._direct_left = 0  # body bytes still to come past the parser (`_receive_direct`)
-        self._direct_body: memoryview | None = None  # where they go: a buffer of the body's length
+        self._direct_body: memoryview | None = None  # where they go: the rest of the body's bytes
+        self._direct_owner: bytes | bytearray | None = None  # those bytes, alive while filled
         self._direct_filled = 0  # bytes of `_direct_body` received
         self._input_closed = False  # a request that closes the connection has come: no more are read
         self.streaming: StreamResponse | None = None  # the answer being served, once streamed
@@ -84,7 +86,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closing = True
         self.server.connections.discard(self)
         if self._direct_body is not None:  # a body cut short: its length is no longer awaited
-            self._direct_body = None
+            self._direct_body = self._direct_owner = None
             self.server.body_arrived(self._direct_filled + self._direct_left)
         self._cancel_timer()
         if self._task is not None and not self._task.done():
@@ -124,7 +126,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._drain = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        """Where the transport reads next: the rest of a large body's buffer while one is being
+        """Where the transport reads next: the rest of a large body's bytes while one is being
         received, else the server's read buffer (parsed, and so copied, before the next read)."""
         body = self._direct_body
         if body is not None:
@@ -176,15 +178,12 @@ class Connection(asyncio.BufferedProtocol):
         if request is not None and self._body_length is not None and not self._in_head \
                 and not request._complete and not request._too_large:
             left = self._body_length - request._size
-            # (a buffer of the server's, given back once the body is read out; None while other
-            # bodies still to come hold the server's budget: then the parser takes it as it comes)
-            buffer = self.server.body_buffer(left) if left >= DIRECT_BODY_BYTES else None
-            if buffer is not None:
-                self._direct_left = left
-                request._lent = buffer
-                self._direct_body = body = memoryview(buffer)[:left]
-                self._direct_filled = 0
-                request._chunks.append(body)
+            # (not while other bodies still to come hold the server's budget: then the parser
+            # takes it as it comes)
+            if left >= DIRECT_BODY_BYTES and self.server.reserve_body(left):
+                body, self._direct_body = body_with_room(request._chunks, left)
+                request._chunks, self._direct_owner = [body], body  # the handler's, once whole
+                self._direct_left, self._direct_filled = left, 0
 
     def _receive_direct(self, data: bytes | memoryview) -> bytes | memoryview:
         """Copy the body's next bytes from `data` into its buffer; returns the rest of `data`."""
@@ -205,7 +204,7 @@ class Connection(asyncio.BufferedProtocol):
             request._size += nbytes
             self._pause_if_queued(request)
         if not self._direct_left:
-            self._direct_body = None
+            self._direct_body = self._direct_owner = None
             self.server.body_arrived(self._direct_filled)
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()

@@ -40,8 +40,7 @@ class Request:
     """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
 
     __slots__ = ("method", "path", "raw_path_qs", "headers", "version", "keep_alive", "_conn",
-                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect",
-                 "_lent")
+                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
 
     def __init__(self, conn: Connection, method: str, path: str, raw_path_qs: str,
                  headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool,
@@ -60,7 +59,6 @@ class Request:
         self._too_large = False
         self._malformed: str | None = None  # why the body could not be parsed
         self._waiter: asyncio.Future[None] | None = None
-        self._lent: bytearray | None = None  # the server's body buffer the body was read into
 
     @property
     def rel_url(self) -> Request:  # `request.rel_url.raw_path_qs`, as on an aiohttp request
@@ -103,17 +101,13 @@ class Request:
         return self._joined()
 
     def _joined(self) -> bytes:
-        """The complete body as one bytes object (kept, for a second read); a server body buffer
-        it was read into goes back to the server, for the next large body."""
+        """The complete body as one bytes object (kept, for a second read). A large body read
+        in place is that object already (router/body_bytes.py): no copy."""
         chunks = self._chunks
         if len(chunks) == 1 and type(chunks[0]) is bytes:
             return chunks[0]
         body = b"".join(chunks)
         self._chunks = [body]
-        lent = self._lent
-        if lent is not None:
-            self._lent = None
-            self._conn.server.give_body_buffer(lent)
         return body
 
     def _wake(self) -> None:

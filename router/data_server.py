@@ -30,9 +30,6 @@ Lifecycle = Callable[[Any], AsyncIterator[None]]
 
 _REASONS = {s.value: s.phrase for s in __import__("http").HTTPStatus}
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})  # the server's to set
-# Large bodies' buffers kept for the next ones: at most this many, none over this size.
-_SPARE_BODIES = 4
-_MAX_SPARE_BODY_BYTES = 8 << 20
 # Bytes of large bodies still to come that may be set aside before they arrive: a head alone
 # (its Content-Length, no body yet) must not reserve memory without bound. Past it, bodies are
 # parsed as they come, their memory growing with what has arrived.
@@ -61,12 +58,12 @@ class DataServer:
         self._date = b""
         self._date_at = 0.0
         self.addresses: list[Any] = []
-        # What every connection's socket reads go into (but a large body's): parsed, and so
-        # copied where kept, before the next read, so one buffer serves them all.
+        # What every connection's socket reads go into (but a large body's, which goes straight
+        # into the bytes its handler gets: router/body_bytes.py): parsed, and so copied where
+        # kept, before the next read, so one buffer serves them all.
         self.read_buffer = bytearray(READ_BUFFER_BYTES)
         self.read_view = memoryview(self.read_buffer)
-        self._spare_bodies: list[bytearray] = []  # large bodies' buffers, read and given back
-        self.awaited_body_bytes = 0  # the lengths of the large bodies being read into their buffers
+        self.awaited_body_bytes = 0  # what is still to come of the large bodies set aside
         # The handler chains, built once: middlewares around each route's handler.
         self._chains: dict[tuple[str, str], Handler] = {}
         for path, methods in routes.items():
@@ -79,35 +76,19 @@ class DataServer:
             handler = functools.partial(middleware, handler=handler)
         return handler
 
-    def body_buffer(self, size: int) -> bytearray | None:
-        """A buffer of at least `size` bytes for a large request body to be read into: the
-        smallest spare that fits, else a new one, with room for a conversation's next turns
-        (each resends the last one's body and a little more) if it could be kept as a spare.
-        None if the bodies awaited would pass MAX_AWAITED_BODY_BYTES; else `size` is awaited
-        until `body_arrived` says so."""
+    def reserve_body(self, size: int) -> bool:
+        """Whether a large request body of which `size` bytes are still to come may be set aside
+        for now (read straight into a bytes object of its length): not if the bodies awaited
+        would pass MAX_AWAITED_BODY_BYTES. If it may, `size` is awaited until `body_arrived`
+        says so."""
         if self.awaited_body_bytes + size > MAX_AWAITED_BODY_BYTES:
-            return None
+            return False
         self.awaited_body_bytes += size
-        spares = self._spare_bodies
-        for i, buffer in enumerate(spares):  # (smallest first)
-            if len(buffer) >= size:
-                return spares.pop(i)
-        room = size + (size >> 3)
-        return bytearray(room if room <= _MAX_SPARE_BODY_BYTES else size)
+        return True
 
     def body_arrived(self, size: int) -> None:
-        """A body `body_buffer` lent a buffer for is whole (or will never be): no longer awaited."""
+        """A body `reserve_body` set aside is whole (or will never be): no longer awaited."""
         self.awaited_body_bytes -= size
-
-    def give_body_buffer(self, buffer: bytearray) -> None:
-        """A body buffer whose body has been read out (nothing refers to its bytes any more)."""
-        if len(buffer) > _MAX_SPARE_BODY_BYTES:
-            return
-        spares = self._spare_bodies
-        spares.append(buffer)
-        spares.sort(key=len)
-        if len(spares) > _SPARE_BODIES:
-            del spares[0]  # the smallest: the least likely to fit the next
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         self.loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ cannot pin where its reads end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 from typing import Any
 from unittest import mock
@@ -21,7 +22,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrouter.router import data_connection, data_limits
+from kvrouter.router import body_bytes, data_connection, data_limits
 from kvrouter.router.data_connection import Connection
 from kvrouter.router.data_http import Request
 from kvrouter.router.data_server import DataServer
@@ -283,10 +284,18 @@ async def test_a_large_content_length_with_a_transfer_encoding_is_refused_not_re
     assert closed_after is not None
 
 
-async def test_a_large_body_is_read_straight_into_a_buffer_of_its_length() -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+async def test_a_large_body_is_read_straight_into_the_bytes_its_handler_gets(
+        in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a large body's head is parsed, the connection hands the transport the rest of a
-    buffer as long as the body (not the server's shared read buffer), and the handler gets the
-    body whole from it; the next request's reads go to the shared buffer again."""
+    bytes object as long as the body (not the server's shared read buffer), after the bytes
+    that came with the head, and the handler gets that very object, uncopied; the next
+    request's reads go to the shared buffer again, and the next large body gets bytes of its
+    own. Where bytes cannot be filled in place, a bytearray is, and copied once."""
+    if not in_place:
+        monkeypatch.setattr(body_bytes, "_OFFSET", None)
+    elif not body_bytes.in_place_available():
+        pytest.skip("bytes cannot be filled in place on this interpreter")
     seen: list[bytes] = []
 
     async def echo(request: Request) -> web.Response:
@@ -307,30 +316,72 @@ async def test_a_large_body_is_read_straight_into_a_buffer_of_its_length() -> No
     _read_into_buffers(conn, head + body[:1000])
     buffer = conn.get_buffer(-1)
     assert buffer.obj is not server.read_buffer and len(buffer) == size - 1000
+    target = conn._direct_owner  # what the view writes into, held while it is filled
+    assert type(target) is (bytes if in_place else bytearray) and len(target) == size
+    assert in_place or buffer.obj is target
     buffer[:size - 1000] = body[1000:]
+    del buffer  # (a transport lets go of the view once the read is reported)
     conn.buffer_updated(size - 1000)
     for _ in range(50):
         if seen:
             break
         await asyncio.sleep(0)
     assert seen == [body] and type(seen[0]) is bytes
+    assert (seen[0] is target) is in_place and conn._direct_owner is None
     assert conn.get_buffer(-1).obj is server.read_buffer
     for _ in range(50):
         if transport.written:
             break
         await asyncio.sleep(0)
     assert b"".join(transport.written).endswith(b"\r\n\r\n%d" % size)
-    # The next large body (a little shorter here) is read into the same buffer, read out
-    # whole, and the first body, already handed over, is unchanged.
+    # The next large body (a little shorter here) is read into bytes of its own, and the
+    # first body, already handed over, is unchanged.
     second = _body(4, size - 5000)
     _read_into_buffers(conn, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(second))
-    assert conn.get_buffer(-1).obj is buffer.obj
+    assert conn.get_buffer(-1).obj is not server.read_buffer
     _read_into_buffers(conn, second)
     for _ in range(50):
         if len(seen) == 2:
             break
         await asyncio.sleep(0)
-    assert seen == [body, second]
+    assert seen == [body, second] and seen[0] is not seen[1]
+    assert server.awaited_body_bytes == 0
+
+
+async def test_a_large_body_answered_before_it_is_whole_stays_held_until_the_connection_ends() -> None:
+    """A handler that answers without reading its large body lets the request drop it (and the
+    connection closes after the answer); what the transport may still read goes into those
+    bytes, which a view of them does not keep alive: the connection holds them until it ends,
+    then gives the body's share of the budget back."""
+
+    async def quick(request: Request) -> web.Response:
+        return web.Response(body=b"early")
+
+    server = DataServer({"/quick": {"POST": quick}}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    body = _body(7, 2 * DIRECT + 500)
+    _read_into_buffers(conn, b"POST /quick HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                       + body[:500])
+    held = conn._direct_owner
+    assert held is not None and server.awaited_body_bytes == len(body) - 500
+    for _ in range(50):
+        if transport.written:
+            break
+        await asyncio.sleep(0)
+    assert b"".join(transport.written).endswith(b"early") and conn.closing
+    gc.collect()
+    assert conn._direct_owner is held  # the request let go of it; the connection has not
+    _read_into_buffers(conn, body[500:1500])  # a read already under way lands in live memory
+    for _ in range(50):
+        if conn not in server.connections:
+            break
+        await asyncio.sleep(0)
+    assert conn._direct_owner is None and conn._direct_body is None
+    assert server.awaited_body_bytes == 0
 
 
 async def test_a_body_not_yet_read_keeps_its_buffer_from_the_next_large_body() -> None:
@@ -348,8 +399,6 @@ async def test_a_body_not_yet_read_keeps_its_buffer_from_the_next_large_body() -
     server = DataServer({"/hold": {"POST": hold}}, [errors_middleware(MAX_BODY)], [],
                         max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
     server.loop = asyncio.get_running_loop()
-    # a spare that fits both: only the ownership rule keeps the second out of the first's
-    server.give_body_buffer(bytearray(4 * DIRECT))
     conn = Connection(server)
     transport = MemoryTransport(conn)
     conn.connection_made(transport)  # type: ignore[arg-type]
