@@ -1,8 +1,8 @@
 """A bytes object that a large request body is read straight into, so its handler gets the body
 with no copy made after the kernel's.
 
-A body read by the event loop into a buffer takes one more copy to become `bytes` (400 KB:
-tens of microseconds, and fresh pages to fault in), for every turn of a long conversation.
+A body read by the event loop into a buffer takes one more copy to become `bytes` (a pass over
+the whole body, into fresh pages), for every turn of a long conversation.
 CPython's own `socket.recv` makes none: it allocates a bytes object of the size asked for, has
 the kernel fill it, and returns it. The data port does the same here: `blank_body` gives a
 bytes object of the body's length that nothing else has seen yet and a writable view of its
@@ -23,11 +23,15 @@ import sys
 def _bytes_storage_offset() -> int | None:
     """Where a bytes object's storage starts, from its address: the fixed header, whose size
     `bytes.__basicsize__` counts with the storage's trailing NUL. None unless a bytes object
-    made and filled that way reads back exactly what was written."""
+    made and filled that way reads back exactly what was written. Known bytes are read there
+    first, so nothing is written at an offset that does not hold a bytes object's contents."""
     if sys.implementation.name != "cpython":
         return None
     offset = bytes.__basicsize__ - 1
+    known = b"kvrouter body probe" * 4
     try:
+        if ctypes.string_at(id(known) + offset, len(known)) != known:
+            return None
         probe = _new_bytes(None, 64)
         view = _memory_view(id(probe) + offset, 64, _WRITABLE)
         view[:] = bytes(range(64))

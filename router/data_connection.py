@@ -181,7 +181,11 @@ class Connection(asyncio.BufferedProtocol):
             # (not while other bodies still to come hold the server's budget: then the parser
             # takes it as it comes)
             if left >= DIRECT_BODY_BYTES and self.server.reserve_body(left):
-                body, self._direct_body = body_with_room(request._chunks, left)
+                try:
+                    body, self._direct_body = body_with_room(request._chunks, left)
+                except MemoryError:
+                    self.server.body_arrived(left)  # never awaited after all
+                    raise
                 request._chunks, self._direct_owner = [body], body  # the handler's, once whole
                 self._direct_left, self._direct_filled = left, 0
 

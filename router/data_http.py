@@ -53,7 +53,7 @@ class Request:
         self.keep_alive = keep_alive
         self.expect = expect  # the Expect header's value
         self._conn = conn
-        self._chunks: list[bytes | memoryview] = []
+        self._chunks: list[bytes | bytearray | memoryview] = []
         self._size = 0
         self._complete = False
         self._too_large = False
