@@ -413,3 +413,21 @@ async def test_a_body_not_yet_read_keeps_its_buffer_from_the_next_large_body() -
             break
         await asyncio.sleep(0)
     assert seen == [first, second]
+
+
+async def test_a_large_body_that_cannot_be_allocated_gives_its_budget_back(monkeypatch) -> None:
+    """The budget of bodies awaited is taken before the body's bytes are made: if making them
+    fails, the share taken is given back (else every later large body would count it forever)."""
+
+    def no_memory(received: Any, left: int) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(data_connection, "body_with_room", no_memory)
+    server = DataServer({}, [errors_middleware(MAX_BODY)], [],
+                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    conn = Connection(server)
+    conn.connection_made(MemoryTransport(conn))  # type: ignore[arg-type]
+    with pytest.raises(MemoryError):
+        _read_into_buffers(conn, b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 * DIRECT))
+    assert server.awaited_body_bytes == 0
