@@ -18,6 +18,7 @@ from typing import Any
 from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import FleetMemo, LoadScan, ReplicaView, Snapshot
 from .load_index import LoadIndex
+from .slot_fill import slot_filler
 
 _SIGNAL_FIELDS = (
     "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",
@@ -35,39 +36,12 @@ _IN_FLIGHT_INDEX = tuple(_VIEW_INDEX[name] for name in
                          ("in_flight", "in_flight_prompt_tokens", "pending_prefill_tokens"))
 _HOMED_INDEX = tuple(_VIEW_INDEX[name] for name in ("homed_sessions", "homed_tokens"))
 
-# A frozen dataclass's __init__ sets each field through object.__setattr__ (a generic attribute
-# lookup and a call per field); a new view, and a new snapshot, are made once per decision at any
-# concurrency (each sees the in-flight counts the last one changed). `_slot_filler` makes the
-# same object with one plain slot store per field (the interpreter's fastest attribute write):
-# under callgrind a view took ~20k instructions through its slots' descriptors, as many as the
-# rest of the registry's per-request work, and ~4k this way.
-_new_object = object.__new__
-
-
-def _slot_filler(cls: type, names: tuple[str, ...],
-                 defaults: tuple[tuple[str, Any], ...] = ()) -> Callable[[Sequence[Any]], Any]:
-    """A function making the instance of the frozen slotted dataclass `cls` whose fields `names`
-    hold `values` (in that order) and the fields of `defaults` their defaults, without its
-    __init__ (nor __post_init__). The object is filled as an instance of a plain class with the
-    same slots (the same memory layout, so Python lets an object change between the two), then
-    given its class: nothing else ever sees it writable."""
-    twin = type(f"_{cls.__name__}Filler", (), {"__slots__": cls.__slots__})
-    _new_object(twin).__class__ = cls  # the layouts agree (else TypeError here, at import)
-    lines = ["def fill(values):", "    obj = new(twin)"]
-    lines += [f"    obj.{name} = values[{i}]" for i, name in enumerate(names)]
-    lines += [f"    obj.{name} = default_{i}" for i, (name, _) in enumerate(defaults)]
-    lines += ["    obj.__class__ = cls", "    return obj"]
-    namespace: dict[str, Any] = {"new": _new_object, "twin": twin, "cls": cls,
-                                 **{f"default_{i}": value for i, (_, value) in enumerate(defaults)}}
-    exec("\n".join(lines), namespace)  # (names are the dataclass's own field identifiers)
-    fill: Callable[[Sequence[Any]], Any] = namespace["fill"]
-    return fill
-
-
-_fill_view = _slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)
+# A new view, and a new snapshot, are made once per decision at any concurrency (each sees the
+# in-flight counts the last one changed): filled without their frozen __init__ (router/slot_fill.py).
+_fill_view = slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)
     (f.name, f.default) for f in dataclasses.fields(ReplicaView)
     if not f.init and f.default is not dataclasses.MISSING))
-_fill_snapshot = _slot_filler(Snapshot, tuple(f.name for f in dataclasses.fields(Snapshot)))
+_fill_snapshot = slot_filler(Snapshot, tuple(f.name for f in dataclasses.fields(Snapshot)))
 
 
 def _new_view(values: Sequence[Any]) -> ReplicaView:
