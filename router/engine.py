@@ -27,7 +27,7 @@ from .kv_index import KVIndex
 from .learning import UsageLearner
 from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
 from .ranks import RankTable
-from .replicas import ReplicaRegistry
+from .replicas import ReplicaRegistry, with_session
 from .sessions import SessionTable
 from .slot_fill import slot_filler
 
@@ -182,7 +182,7 @@ class RoutingEngine:
 
     def _snapshot(self, session: SessionView | None) -> Snapshot:
         snapshot = self.registry.snapshot()
-        return snapshot.with_session(session) if session is not None else snapshot
+        return with_session(snapshot, session) if session is not None else snapshot
 
     def decide(
         self, summary: RequestSummary, session: SessionView | None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvrouter.policies.domain import RequestSummary
+from kvrouter.policies.domain import RequestSummary, Snapshot
 from kvrouter.router.engine import _with_matches
 from kvrouter.router.slot_fill import slot_filler
 
@@ -47,3 +47,19 @@ def test_a_class_whose_layout_cannot_be_twinned_is_refused_at_once() -> None:
 
     with pytest.raises((TypeError, AttributeError)):
         slot_filler(Plain, ())
+
+
+def test_a_snapshot_with_a_session_equals_the_policies_own() -> None:
+    from kvrouter.policies.domain import SessionView
+    from kvrouter.router.replicas import ReplicaRegistry, with_session
+
+    registry = ReplicaRegistry(["http://a:1", "http://b:1"])
+    registry.dispatched("http://a:1", 10, 5)
+    snapshot = registry.snapshot()
+    session = SessionView("k", "http://a:1", 2)
+    made = with_session(snapshot, session)
+    expected = snapshot.with_session(session)
+    assert type(made) is Snapshot and made == expected and made.session is session
+    assert all(getattr(made, f.name) is getattr(expected, f.name) for f in dataclasses.fields(Snapshot))
+    assert made.memo is snapshot.memo  # scans made on these replicas are shared, as there
+
