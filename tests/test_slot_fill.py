@@ -63,3 +63,13 @@ def test_a_snapshot_with_a_session_equals_the_policies_own() -> None:
     assert all(getattr(made, f.name) is getattr(expected, f.name) for f in dataclasses.fields(Snapshot))
     assert made.memo is snapshot.memo  # scans made on these replicas are shared, as there
 
+
+
+def test_a_well_formed_usage_object_reads_as_its_report() -> None:
+    from kvrouter.router.usage import UsageReport, from_usage
+
+    report = from_usage({"prompt_tokens": 8, "completion_tokens": 1,
+                         "prompt_tokens_details": {"cached_tokens": 4}})
+    assert type(report) is UsageReport and report == UsageReport(8, 4, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.prompt_tokens = 9  # type: ignore[misc]
