@@ -270,7 +270,7 @@ class Connection(asyncio.BufferedProtocol):
                     raise Malformed(400, f"duplicate {name} header")
         request = Request(self, parser.get_method().decode("latin-1"), path, raw_path_qs,
                           CIMultiDictProxy(headers), version, parser.should_keep_alive(),
-                          headers.get("Expect") if "expect" in lowered else None)
+                          headers.get("Expect") if "expect" in lowered else None, lowered)
         self._parsing = request
         coding = None
         if "transfer-encoding" in lowered:

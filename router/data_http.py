@@ -9,7 +9,7 @@ error helpers that build them) or, for a replica's relayed answer, a `WholeRespo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Set as AbstractSet
 from typing import TYPE_CHECKING, Union
 
 from aiohttp import web
@@ -40,15 +40,19 @@ class Request:
     """One request: method, path (decoded), headers, and its body as it arrives (`read`)."""
 
     __slots__ = ("method", "path", "raw_path_qs", "headers", "version", "keep_alive", "_conn",
-                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect")
+                 "_chunks", "_size", "_complete", "_too_large", "_malformed", "_waiter", "expect",
+                 "names")
 
     def __init__(self, conn: Connection, method: str, path: str, raw_path_qs: str,
                  headers: CIMultiDictProxy[str], version: tuple[int, int], keep_alive: bool,
-                 expect: str | None) -> None:
+                 expect: str | None, names: AbstractSet[str] | None = None) -> None:
         self.method = method
         self.path = path
         self.raw_path_qs = raw_path_qs  # the target as the client encoded it (what the relay forwards)
         self.headers = headers
+        # The header names present, lower-cased (the parser's, to be read, never changed): None
+        # when not known.
+        self.names = names
         self.version = version
         self.keep_alive = keep_alive
         self.expect = expect  # the Expect header's value

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ..metrics.router_metrics import RouterMetrics
 from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
@@ -26,8 +27,28 @@ from .kv_index import KVIndex
 from .learning import UsageLearner
 from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
 from .ranks import RankTable
-from .replicas import ReplicaRegistry
+from .replicas import ReplicaRegistry, with_session
 from .sessions import SessionTable
+from .slot_fill import slot_filler
+
+
+# `dataclasses.replace(summary, cached_tokens=..., host_cached_tokens=...)` for every request
+# with prefix blocks, without replace's field loop and the frozen __init__ (router/slot_fill.py).
+_SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(RequestSummary))
+if not all(f.init for f in dataclasses.fields(RequestSummary)) or hasattr(RequestSummary, "__post_init__"):
+    raise TypeError("RequestSummary gained derived fields: _with_matches must compute them")
+_summary_values = attrgetter(*_SUMMARY_FIELDS)
+_MATCH_INDEX = (_SUMMARY_FIELDS.index("cached_tokens"), _SUMMARY_FIELDS.index("host_cached_tokens"))
+_fill_summary = slot_filler(RequestSummary, _SUMMARY_FIELDS)
+
+
+def _with_matches(summary: RequestSummary, cached: Mapping[str, int],
+                  host_cached: Mapping[str, int]) -> RequestSummary:
+    values = list(_summary_values(summary))
+    values[_MATCH_INDEX[0]] = cached
+    values[_MATCH_INDEX[1]] = host_cached
+    replaced: RequestSummary = _fill_summary(values)
+    return replaced
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +177,12 @@ class RoutingEngine:
         if summary.prefix_blocks:
             matched = self.index.match(summary.prefix_blocks, self.match_limit)
             on_host = self.index.match_host(summary.prefix_blocks, self.match_limit)
-            summary = dataclasses.replace(summary, cached_tokens=matched, host_cached_tokens=on_host)
+            summary = _with_matches(summary, matched, on_host)
         return self._snapshot(session), summary
 
     def _snapshot(self, session: SessionView | None) -> Snapshot:
         snapshot = self.registry.snapshot()
-        return snapshot.with_session(session) if session is not None else snapshot
+        return with_session(snapshot, session) if session is not None else snapshot
 
     def decide(
         self, summary: RequestSummary, session: SessionView | None

@@ -226,7 +226,7 @@ class Relay(StreamRelay):
         replica takes the request; retries only before the first byte reaches the client. What
         each attempt meant for the replica's health and the counters is the placement's to record."""
         assert self.session is not None, "Relay.start() not called"
-        headers = end_to_end(request.headers, self._drop)
+        headers = end_to_end(request.headers, self._drop, getattr(request, "names", None))
         if self.inject_headers:
             headers.update(self.inject_headers)
         headers[REQUEST_ID] = request_id
@@ -306,7 +306,7 @@ class Relay(StreamRelay):
     ) -> Answer:
         url = attempt.url
         served = usage.placement is attempt  # else not served, or a PD prefill's (recorded)
-        headers = end_to_end(upstream.headers, self._no_drop)
+        headers = end_to_end(upstream.headers, self._no_drop, upstream.names)
         headers[REQUEST_ID] = request_id
         if self.replica_header:
             headers[REPLICA_HEADER] = url

@@ -27,6 +27,7 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from .headers import field_lines
 from .json_splice import SplicedBody
 from .upstream_response import UpstreamResponse as UpstreamResponse
 from .upstream_errors import (
@@ -58,7 +59,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.idle_since = 0.0
         self.received = 0  # bytes of the current exchange's response so far
-        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._raw_headers: list[bytes] = []  # name, value, name, value, ...
         self._head: asyncio.Future[UpstreamResponse] | None = None
         self._response: UpstreamResponse | None = None
         self._complete = False  # the current response's last byte has arrived
@@ -239,18 +240,27 @@ class _Connection(asyncio.Protocol):
         self._raw_headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
+        raw = self._raw_headers
+        raw.append(name)
+        raw.append(value)
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         self._informational = 100 <= status < 200
         if self._informational or self._head is None or self._head.done():
             return
-        headers = CIMultiDict(
-            [(n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self._raw_headers]
-        )
+        raw = self._raw_headers
+        # Names and values decoded in a few calls, not two per field: split at the line feeds
+        # none of them holds (a value folded over lines does: then each is decoded on its own).
+        raw_names = raw[::2]
+        names = b"\n".join(raw_names).decode("latin-1")
+        values = b"\n".join(raw[1::2]).decode("utf-8", "surrogateescape").split("\n")
+        if len(values) != len(raw_names):
+            values = [v.decode("utf-8", "surrogateescape") for v in raw[1::2]]
+        headers = CIMultiDict(zip(names.split("\n"), values)) if raw else CIMultiDict()
         self.keep_alive = self.parser.should_keep_alive()
-        self._response = UpstreamResponse(self, status, headers)
+        self._response = UpstreamResponse(self, status, headers,
+                                          frozenset(names.lower().split("\n")) if raw else frozenset())
         idle_at = self._last_byte + self.pool.idle_timeout_s
         if self._timer is not None and self._timer.when() > idle_at:  # slow headers: check sooner
             self._timer.cancel()
@@ -276,7 +286,7 @@ def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str],
                body: bytes | SplicedBody) -> bytes | tuple[bytes | memoryview, ...]:
     """The request's bytes: one string, or for a large body the head and the body's pieces,
     written together by one vectored write (no copy of the body behind its head)."""
-    fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+    fields = field_lines(headers.items())
     head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}Content-Length: {len(body)}\r\n\r\n"
     if head.count("\n") != len(headers) + 4 or head.count("\r") != len(headers) + 4:
         raise ValueError("line break in a request header")  # would smuggle a header or a request

@@ -4,6 +4,7 @@ status and headers, then the body as it arrives, with back-pressure on the conne
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
@@ -20,12 +21,14 @@ class UpstreamResponse:
     `close()` must follow: it returns a finished keep-alive connection to the pool and
     aborts an unfinished one (so the replica stops working on a request nobody reads)."""
 
-    __slots__ = ("status", "headers", "content_length", "content_type", "_conn", "_chunks",
+    __slots__ = ("status", "headers", "names", "content_length", "content_type", "_conn", "_chunks",
                  "_size", "_done", "_error", "_waiter", "_closed")
 
-    def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str]) -> None:
+    def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str],
+                 names: AbstractSet[str] | None = None) -> None:
         self.status = status
         self.headers = headers
+        self.names = names  # the header names present, lower-cased (None: not known)
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .json_splice import SplicedBody, with_member
+from .slot_fill import slot_filler
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A usage-only stream event, as SGLang (pydantic) and the simulated replica (orjson) write it:
@@ -38,6 +39,9 @@ class UsageReport:
     prompt_tokens: int
     cached_tokens: int | None  # None: the replica does not report its cache hits
     completion_tokens: int | None = None  # None: not reported (or not a count)
+
+
+_fill_report = slot_filler(UsageReport, ("prompt_tokens", "cached_tokens", "completion_tokens"))
 
 
 def _must_ask_stream_usage(route: str, body: dict[str, Any]) -> bool:
@@ -114,7 +118,7 @@ def from_usage(usage: Any) -> UsageReport | str:
                 and (out is None or type(out) is int and 0 <= out <= _MAX_TOKENS)
                 and (details is None or type(details) is dict)
                 and (cached is None or type(cached) is int and 0 <= cached <= prompt)):
-            return UsageReport(prompt, cached, out)
+            return _fill_report((prompt, cached, out))  # (every response's: no frozen __init__)
     if usage is None:
         return "missing"
     if not isinstance(usage, dict):

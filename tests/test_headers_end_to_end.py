@@ -3,7 +3,7 @@ field kept with its case, order and repeats, whatever mapping the headers come i
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvrouter.router.headers import drop_set, end_to_end
+from kvrouter.router.headers import drop_set, end_to_end, field_lines
 
 RAW = [("Host", "x"), ("X-Trace", "1"), ("content-LENGTH", "4"), ("Connection", "keep-alive, X-Secret"),
        ("x-secret", "s"), ("Accept", "a"), ("X-Trace", "2"), ("TE", "trailers"), ("X-Api-Key", "k")]
@@ -24,3 +24,18 @@ def test_plain_mapping_headers() -> None:
 def test_a_plain_frozenset_of_extra_names_still_drops_the_hop_by_hop_ones() -> None:
     kept = end_to_end(CIMultiDict(RAW), frozenset({"X-Api-Key"}))
     assert list(kept.items()) == KEPT
+
+
+def test_the_parsers_lower_cased_names_give_the_same_copy() -> None:
+    names = frozenset(k.lower() for k, _ in RAW)
+    for headers in (CIMultiDict(RAW), CIMultiDictProxy(CIMultiDict(RAW))):
+        assert list(end_to_end(headers, drop_set(["x-api-KEY"]), names).items()) == KEPT
+    no_connection = [(k, v) for k, v in RAW if k != "Connection"]
+    kept = end_to_end(CIMultiDict(no_connection), drop_set(), frozenset(k.lower() for k, _ in no_connection))
+    assert list(kept.items()) == [("X-Trace", "1"), ("x-secret", "s"), ("Accept", "a"), ("X-Trace", "2"),
+                                  ("X-Api-Key", "k")]
+
+
+def test_field_lines() -> None:
+    assert field_lines(CIMultiDict([("A", "1"), ("b", "2 3"), ("A", "")]).items()) == "A: 1\r\nb: 2 3\r\nA: \r\n"
+    assert field_lines(CIMultiDict().items()) == ""

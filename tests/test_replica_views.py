@@ -140,3 +140,28 @@ def test_views_and_snapshots_the_registry_makes_match_their_constructors_in_ever
                       "loads": (1, 6), "fleet_loads": registry}
     assert snapshot.load_scan(RequestSummary("/x")) == LoadScan(1, 6, (registry.view(A),))
     assert registry.snapshot() is snapshot  # nothing changed since
+
+
+def test_views_and_snapshots_made_without_their_constructors_equal_constructed_ones() -> None:
+    """The registry fills views and snapshots through a same-layout twin class, then gives them
+    their class: equal to what the constructors make, of exactly that class, and still frozen."""
+    import dataclasses
+
+    import pytest
+
+    from kvrouter.policies.domain import FleetMemo, ReplicaView, Snapshot
+    from kvrouter.router.replicas import _new_snapshot, _new_view, _view_values
+
+    made = ReplicaView(id="r", healthy=True, fresh=False, in_flight=3, num_running_reqs=5,
+                       num_queue_reqs=2, peer_in_flight=1, homed_tokens=7)
+    view = _new_view(list(_view_values(made)))
+    assert type(view) is ReplicaView and view == made and hash(view) == hash(made)
+    assert (view.load, view.cost_terms) == (made.load, made.cost_terms) == (7, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.in_flight = 4  # type: ignore[misc]
+    values = ((view,), None, None, 7, 1, (), 3, (7,), None, FleetMemo())
+    snapshot = _new_snapshot(*values)
+    assert type(snapshot) is Snapshot and snapshot == Snapshot(*values)
+    assert [getattr(snapshot, f.name) for f in dataclasses.fields(Snapshot)] == list(values)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snapshot.epoch = 4  # type: ignore[misc]

@@ -573,3 +573,33 @@ async def test_a_kept_timer_neither_ends_a_steady_stream_nor_spares_a_stalled_on
         resp.close()
     finally:
         await pool.close()
+
+
+async def test_response_headers_keep_names_values_repeats_and_utf8(raw_server, pool) -> None:
+    """The head's fields arrive as sent: each name's case, UTF-8 values (as aiohttp decodes
+    them), a repeated field twice, an empty value; `names` holds them lower-cased."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Model: caf\u00e9 \u2713\r\n"
+                     "set-cookie: a=1\r\nSet-Cookie: b=2\r\nX-Empty:\r\n\r\nok".encode())
+        await writer.drain()
+
+    url = await raw_server(answer)
+    resp = await pool.request("POST", url, "/v1/chat/completions", JSON, b"{}")
+    assert list(resp.headers.items()) == [("Content-Length", "2"), ("X-Model", "caf\u00e9 \u2713"),
+                                          ("set-cookie", "a=1"), ("Set-Cookie", "b=2"), ("X-Empty", "")]
+    assert resp.names == {"content-length", "x-model", "set-cookie", "x-empty"}
+    assert await resp.read() == b"ok"
+    resp.close()
+
+
+async def test_a_response_without_header_fields(raw_server, pool) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+
+    url = await raw_server(answer)
+    resp = await pool.request("POST", url, "/x", JSON, b"{}")
+    assert resp.status == 204 and not resp.headers and resp.names == frozenset()
+    resp.close()

@@ -1,0 +1,75 @@
+"""router/slot_fill.py: frozen slotted dataclass instances made without their __init__ are
+the objects the constructors make (equal, same class, still frozen), for the request path's
+uses: a request summary with its KV-index matches (the engine), a view, a snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+
+from kvrouter.policies.domain import RequestSummary, Snapshot
+from kvrouter.router.engine import _with_matches
+from kvrouter.router.slot_fill import slot_filler
+
+
+def test_a_summary_with_its_matches_equals_dataclasses_replace() -> None:
+    summary = RequestSummary("/v1/chat/completions", "s1", 123, "m", frozenset({"a"}), (1, 2, 3),
+                             streamed=False)
+    cached, host = {"r1": 64}, {"r2": 32}
+    made = _with_matches(summary, cached, host)
+    assert type(made) is RequestSummary
+    assert made == dataclasses.replace(summary, cached_tokens=cached, host_cached_tokens=host)
+    assert made.cached_tokens is cached and made.host_cached_tokens is host
+    assert summary.cached_tokens == {} and summary.host_cached_tokens == {}  # the original kept
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.prompt_tokens = 1  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    x: int
+    y: int = 0
+    label: str = dataclasses.field(default="p", init=False)
+
+
+def test_filled_fields_and_defaults() -> None:
+    fill = slot_filler(_Point, ("x", "y"), (("label", "p"),))
+    point = fill([3, 4])
+    assert type(point) is _Point and point == _Point(3, 4) and point.label == "p"
+    assert hash(point) == hash(_Point(3, 4))
+
+
+def test_a_class_whose_layout_cannot_be_twinned_is_refused_at_once() -> None:
+    class Plain:  # no __slots__: an instance dict, not a slot layout
+        pass
+
+    with pytest.raises((TypeError, AttributeError)):
+        slot_filler(Plain, ())
+
+
+def test_a_snapshot_with_a_session_equals_the_policies_own() -> None:
+    from kvrouter.policies.domain import SessionView
+    from kvrouter.router.replicas import ReplicaRegistry, with_session
+
+    registry = ReplicaRegistry(["http://a:1", "http://b:1"])
+    registry.dispatched("http://a:1", 10, 5)
+    snapshot = registry.snapshot()
+    session = SessionView("k", "http://a:1", 2)
+    made = with_session(snapshot, session)
+    expected = snapshot.with_session(session)
+    assert type(made) is Snapshot and made == expected and made.session is session
+    assert all(getattr(made, f.name) is getattr(expected, f.name) for f in dataclasses.fields(Snapshot))
+    assert made.memo is snapshot.memo  # scans made on these replicas are shared, as there
+
+
+
+def test_a_well_formed_usage_object_reads_as_its_report() -> None:
+    from kvrouter.router.usage import UsageReport, from_usage
+
+    report = from_usage({"prompt_tokens": 8, "completion_tokens": 1,
+                         "prompt_tokens_details": {"cached_tokens": 4}})
+    assert type(report) is UsageReport and report == UsageReport(8, 4, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.prompt_tokens = 9  # type: ignore[misc]
