@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
-from portable import portable_command  # noqa: E402
+from portable import code_version, portable_command  # noqa: E402
 from replay_accounting import cpu_split, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
@@ -358,6 +358,7 @@ def sweep_traces(args: argparse.Namespace, traces: list[str]) -> dict[str, Any]:
     return {
         "schema": 1,
         "command": "",
+        "code": code_version(),
         "wall_s": round(time.monotonic() - t0, 1),
         "judged": args.policies[0],
         "peers": [c.name for c in args.externals],

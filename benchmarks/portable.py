@@ -1,4 +1,5 @@
-"""Commands as saved in benchmark JSON: no path of the machine that ran them.
+"""Commands as saved in benchmark JSON: no path of the machine that ran them; and the commit a
+run measured.
 
 The interpreter becomes ``python``, paths inside the repository become repo-relative, and any other
 absolute path (a scratch file, another virtualenv's program) keeps only its file name.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,3 +34,17 @@ def portable(text: str) -> str:
 
 def portable_command(argv: Iterable[str]) -> str:
     return portable(" ".join(shlex.quote(a) for a in argv))
+
+
+def code_version() -> dict[str, object] | None:
+    """The commit a run measures and whether the checkout had changes not committed to it (None
+    outside a git checkout), saved with the run's results so that every figure names its code."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=7", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no") != ""
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "uncommitted_changes": changed}

@@ -52,6 +52,10 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         assert all(x >= 0 for x in (wait["router"], wait["driver"], *wait["replicas"]))
     assert point["verdict"]["best_peer_hit"] == round(point["results"]["fake"]["cache_hit_rate"], 4)
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
+    # the commit measured is saved with the results
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert data["code"]["commit"] == head and isinstance(data["code"]["uncommitted_changes"], bool)
     report = (out / "report.md").read_text()
     assert "| mini / " in report and " sessions / 1.5 cpt |" in report and "fake" in report
     # --records-dir: every request per contender, and the decision log of the kvrouter one
