@@ -67,6 +67,21 @@ class MemoryTransport:
         return 0
 
 
+def _server(routes: dict[str, Any]) -> DataServer:
+    server = DataServer(routes, [errors_middleware(MAX_BODY)], [], max_body_bytes=MAX_BODY,
+                        header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    return server
+
+
+def _connection(server: DataServer) -> tuple[Connection, MemoryTransport]:
+    """A connection of `server`, made, on an in-memory transport."""
+    conn = Connection(server)
+    transport = MemoryTransport(conn)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn, transport
+
+
 def _body(tag: int, size: int) -> bytes:
     return (b"%d-0123456789abcdef" % tag * (size // 16 + 1))[:size]
 
@@ -144,13 +159,9 @@ async def _served(wire: bytes, cuts: list[int], drop_at: int | None, direct: boo
 
     routes = {"/echo": {m: echo for m in ("GET", "POST", "PUT")}, "/early": {"POST": early, "PUT": early},
               "/slow": {"POST": slow, "GET": slow}}
-    server = DataServer(routes, [errors_middleware(MAX_BODY)], [], max_body_bytes=MAX_BODY,
-                        header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
+    server = _server(routes)
     with mock.patch.object(data_connection, "DIRECT_BODY_BYTES", DIRECT if direct else 1 << 62):
-        conn = Connection(server)
-        transport = MemoryTransport(conn)
-        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn, transport = _connection(server)
         stuck_at = None
         edges = [0, *cuts, len(wire)]
         for n, (start, end) in enumerate(zip(edges, edges[1:])):
@@ -247,12 +258,8 @@ async def test_a_queued_request_that_closes_is_answered_and_nothing_after_it_is_
         served.append(f"echo {len(body)}")
         return web.Response(body=b"echo %d" % len(body))
 
-    server = DataServer({"/slow": {"POST": slow}, "/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
-                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
-    conn = Connection(server)
-    transport = MemoryTransport(conn)
-    conn.connection_made(transport)  # type: ignore[arg-type]
+    server = _server({"/slow": {"POST": slow}, "/echo": {"POST": echo}})
+    conn, transport = _connection(server)
     body = _body(1, size)
     closing = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % size
     conn.data_received(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" + closing)
@@ -303,12 +310,8 @@ async def test_a_large_body_is_read_straight_into_the_bytes_its_handler_gets(
         seen.append(body)
         return web.Response(body=b"%d" % len(body))
 
-    server = DataServer({"/echo": {"POST": echo}}, [errors_middleware(MAX_BODY)], [],
-                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
-    conn = Connection(server)
-    transport = MemoryTransport(conn)
-    conn.connection_made(transport)  # type: ignore[arg-type]
+    server = _server({"/echo": {"POST": echo}})
+    conn, transport = _connection(server)
     size = 2 * DIRECT + 123
     body = _body(3, size)
     head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
@@ -357,12 +360,8 @@ async def test_a_large_body_answered_before_it_is_whole_stays_held_until_the_con
     async def quick(request: Request) -> web.Response:
         return web.Response(body=b"early")
 
-    server = DataServer({"/quick": {"POST": quick}}, [errors_middleware(MAX_BODY)], [],
-                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
-    conn = Connection(server)
-    transport = MemoryTransport(conn)
-    conn.connection_made(transport)  # type: ignore[arg-type]
+    server = _server({"/quick": {"POST": quick}})
+    conn, transport = _connection(server)
     body = _body(7, 2 * DIRECT + 500)
     _read_into_buffers(conn, b"POST /quick HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
                        + body[:500])
@@ -396,12 +395,8 @@ async def test_a_body_not_yet_read_keeps_its_buffer_from_the_next_large_body() -
         seen.append(await request.read())
         return web.Response(body=b"held")
 
-    server = DataServer({"/hold": {"POST": hold}}, [errors_middleware(MAX_BODY)], [],
-                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
-    conn = Connection(server)
-    transport = MemoryTransport(conn)
-    conn.connection_made(transport)  # type: ignore[arg-type]
+    server = _server({"/hold": {"POST": hold}})
+    conn, transport = _connection(server)
     first, second = _body(5, 2 * DIRECT), _body(6, 2 * DIRECT + 77)
     for body in (first, second):
         _read_into_buffers(conn, b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
@@ -423,11 +418,8 @@ async def test_a_large_body_that_cannot_be_allocated_gives_its_budget_back(monke
         raise MemoryError
 
     monkeypatch.setattr(data_connection, "body_with_room", no_memory)
-    server = DataServer({}, [errors_middleware(MAX_BODY)], [],
-                        max_body_bytes=MAX_BODY, header_timeout_s=60, shutdown_grace_s=0)
-    server.loop = asyncio.get_running_loop()
-    conn = Connection(server)
-    conn.connection_made(MemoryTransport(conn))  # type: ignore[arg-type]
+    server = _server({})
+    conn, _ = _connection(server)
     with pytest.raises(MemoryError):
         _read_into_buffers(conn, b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 * DIRECT))
     assert server.awaited_body_bytes == 0
