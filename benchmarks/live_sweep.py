@@ -343,6 +343,7 @@ def sweep_traces(args: argparse.Namespace, traces: list[str]) -> dict[str, Any]:
     and the command are added by the caller)."""
     args = argparse.Namespace(**{**vars(args), "traces": traces})
     t0 = time.monotonic()
+    code = code_version()  # the code every contender imports as it starts, read before the first
     arrivals = load_trace(args)
     if not arrivals:
         raise SystemExit(f"no sessions in {', '.join(traces)}")
@@ -358,7 +359,7 @@ def sweep_traces(args: argparse.Namespace, traces: list[str]) -> dict[str, Any]:
     return {
         "schema": 1,
         "command": "",
-        "code": code_version(),
+        "code": code,
         "wall_s": round(time.monotonic() - t0, 1),
         "judged": args.policies[0],
         "peers": [c.name for c in args.externals],

@@ -40,7 +40,7 @@ def code_version() -> dict[str, object] | None:
     """The commit a run measures and whether the checkout had changes not committed to it (None
     outside a git checkout), saved with the run's results so that every figure names its code."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(ROOT), *args], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
     try:
         commit = git("rev-parse", "--short=7", "HEAD")

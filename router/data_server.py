@@ -155,9 +155,9 @@ class DataServer:
         if "content-length" in headers or "transfer-encoding" in headers or "connection" in headers:
             items = [(n, v) for n, v in items if n.lower() not in _FRAMING]  # type: ignore[assignment]
         head = f"HTTP/1.1 {status} {reason}\r\n{field_lines(items)}"
-        try:
-            encoded = head.encode("latin-1")
-        except UnicodeEncodeError:  # a replica's UTF-8 value (as aiohttp decoded it): its bytes back
-            encoded = head.encode("utf-8", "surrogateescape")
+        # A replica's values are decoded as UTF-8 (undecodable bytes escaped), as aiohttp decodes
+        # them: encoded the same way, they are the replica's very bytes (latin-1 would turn a
+        # UTF-8 "é" into one byte).
+        encoded = head.encode("utf-8", "surrogateescape")
         return b"".join((encoded, b"" if "Date" in headers else b"Date: %b\r\n" % self._date, extra,
                          b"" if keep_alive else b"Connection: close\r\n", b"\r\n"))

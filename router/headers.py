@@ -30,8 +30,10 @@ _HOP_BY_HOP: frozenset[str] = frozenset(
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
-    value = headers.get("connection", "")
-    return {t.strip().lower() for t in value.split(",") if t.strip()}
+    """The names every Connection field line lists (repeated lines are one list)."""
+    getall = getattr(headers, "getall", None)
+    values = getall("connection", ()) if getall is not None else (headers.get("connection", ""),)
+    return {t.strip().lower() for value in values for t in value.split(",") if t.strip()}
 
 
 class _DropSet(frozenset):  # type: ignore[type-arg]

@@ -1,5 +1,6 @@
 """Frozen slotted dataclass instances made without their __init__, for the objects the request
-path makes once or more per request (replica views, snapshots, request summaries).
+path makes once or more per request (replica views, snapshots, request summaries, usage
+reports).
 
 A frozen dataclass's __init__ sets each field through object.__setattr__, and filling its slots
 through their member descriptors is no cheaper: on this interpreter, under callgrind, a replica
@@ -11,6 +12,7 @@ the view takes ~7k (its __post_init__ included). Nothing else ever sees the obje
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,14 +22,25 @@ _new_object = object.__new__
 def slot_filler(cls: type, names: tuple[str, ...],
                 defaults: tuple[tuple[str, Any], ...] = ()) -> Callable[[Sequence[Any]], Any]:
     """A function making the instance of the frozen slotted dataclass `cls` whose fields `names`
-    hold `values` (in that order) and the fields of `defaults` their defaults, without its
-    __init__ (nor __post_init__: the caller runs it if `cls` has one)."""
+    hold `values` (in that order) and the fields of `defaults` their defaults, then running its
+    __post_init__ if it has one, as the constructor does. Every field must be filled here, but
+    the derived ones (init=False) of a class whose __post_init__ computes them: a field added
+    to `cls` and forgotten here is a TypeError at import, not a slot left unset."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    given = [*names, *(name for name, _ in defaults)]
+    post_init = hasattr(cls, "__post_init__")
+    unknown = [name for name in given if name not in fields or not name.isidentifier()]
+    left = [name for name, f in fields.items() if name not in given and (f.init or not post_init)]
+    if unknown or left or len(set(given)) != len(given):
+        raise TypeError(f"{cls.__name__}: fields not filled {left}, not fields {unknown}")
     twin = type(f"_{cls.__name__}Filler", (), {"__slots__": cls.__slots__})
     _new_object(twin).__class__ = cls  # the layouts agree (else TypeError here, at import)
     lines = ["def fill(values):", "    obj = new(twin)"]
     lines += [f"    obj.{name} = values[{i}]" for i, name in enumerate(names)]
     lines += [f"    obj.{name} = default_{i}" for i, (name, _) in enumerate(defaults)]
-    lines += ["    obj.__class__ = cls", "    return obj"]
+    lines += ["    obj.__class__ = cls"]
+    lines += ["    obj.__post_init__()"] if post_init else []
+    lines += ["    return obj"]
     namespace: dict[str, Any] = {"new": _new_object, "twin": twin, "cls": cls,
                                  **{f"default_{i}": value for i, (_, value) in enumerate(defaults)}}
     exec("\n".join(lines), namespace)  # one store per field, unrolled (the names are the class's own fields)

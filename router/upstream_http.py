@@ -290,7 +290,10 @@ def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str],
     head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}Content-Length: {len(body)}\r\n\r\n"
     if head.count("\n") != len(headers) + 4 or head.count("\r") != len(headers) + 4:
         raise ValueError("line break in a request header")  # would smuggle a header or a request
-    encoded = head.encode("utf-8", "surrogateescape")
+    try:  # the client's fields, decoded as latin-1 by the data port: their very bytes
+        encoded = head.encode("latin-1")
+    except UnicodeEncodeError:  # a configured value beyond latin-1
+        encoded = head.encode("utf-8", "surrogateescape")
     pieces = (body,) if isinstance(body, bytes) else body.pieces
     return (encoded, *pieces) if len(body) >= _VECTORED_BODY_BYTES else b"".join((encoded, *pieces))
 

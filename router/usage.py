@@ -12,6 +12,8 @@ caller counts, and the response goes on unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,7 +43,7 @@ class UsageReport:
     completion_tokens: int | None = None  # None: not reported (or not a count)
 
 
-_fill_report = slot_filler(UsageReport, ("prompt_tokens", "cached_tokens", "completion_tokens"))
+_fill_report = slot_filler(UsageReport, tuple(f.name for f in dataclasses.fields(UsageReport)))
 
 
 def _must_ask_stream_usage(route: str, body: dict[str, Any]) -> bool:

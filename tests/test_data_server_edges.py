@@ -322,3 +322,14 @@ def test_the_declared_multidict_intersects_header_names_case_insensitively():
               for d in project["project"]["dependencies"] if d.startswith("multidict")]
     assert floors and floors[0] is not None and (int(floors[0][1]), int(floors[0][2])) >= (6, 3), floors
     assert CIMultiDict([("Content-TYPE", "a")]).keys() & {"content-type"}
+
+
+async def test_a_replica_s_utf8_header_value_goes_back_as_its_own_bytes() -> None:
+    """Replica header values are decoded as UTF-8 (undecodable bytes escaped): the answer's head
+    carries the replica's bytes, not a latin-1 byte for a character that fits in one."""
+    server = DataServer({}, [], [], max_body_bytes=1, header_timeout_s=60, shutdown_grace_s=0)
+    server.loop = asyncio.get_running_loop()
+    replica_bytes = b"caf\xc3\xa9"
+    value = replica_bytes.decode("utf-8", "surrogateescape")
+    head = server.head(200, CIMultiDict([("X-Model", value)]), b"", True)
+    assert b"\r\nX-Model: " + replica_bytes + b"\r\n" in head

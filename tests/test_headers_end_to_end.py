@@ -39,3 +39,12 @@ def test_the_parsers_lower_cased_names_give_the_same_copy() -> None:
 def test_field_lines() -> None:
     assert field_lines(CIMultiDict([("A", "1"), ("b", "2 3"), ("A", "")]).items()) == "A: 1\r\nb: 2 3\r\nA: \r\n"
     assert field_lines(CIMultiDict().items()) == ""
+
+
+def test_every_connection_line_s_names_are_dropped() -> None:
+    # Repeated field lines are one list (RFC 9110): a second Connection line's names are hop-by-hop too.
+    raw = [("Connection", "keep-alive, X-Hop"), ("connection", "x-hop2"), ("X-Hop", "1"), ("X-Hop2", "2"),
+           ("X-Kept", "3")]
+    for headers in (CIMultiDict(raw), CIMultiDictProxy(CIMultiDict(raw))):
+        assert list(end_to_end(headers, drop_set()).items()) == [("X-Kept", "3")]
+        assert list(end_to_end(headers, drop_set(), frozenset(k.lower() for k, _ in raw)).items()) == [("X-Kept", "3")]

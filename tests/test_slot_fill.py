@@ -73,3 +73,29 @@ def test_a_well_formed_usage_object_reads_as_its_report() -> None:
     assert type(report) is UsageReport and report == UsageReport(8, 4, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.prompt_tokens = 9  # type: ignore[misc]
+
+
+def test_a_field_not_filled_is_refused_at_once() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Grown:
+        x: int
+        added: int | None = None  # a field added later, not named to the filler
+
+    with pytest.raises(TypeError, match="added"):
+        slot_filler(Grown, ("x",))
+    with pytest.raises(TypeError, match="nope"):
+        slot_filler(Grown, ("x", "added", "nope"))
+
+
+def test_the_filler_runs_post_init_which_sets_the_derived_fields() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Derived:
+        a: int
+        b: int
+        total: int = dataclasses.field(init=False, compare=False)
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "total", self.a + self.b)
+
+    made = slot_filler(Derived, ("a", "b"))([2, 3])
+    assert made == Derived(2, 3) and made.total == 5

@@ -603,3 +603,13 @@ async def test_a_response_without_header_fields(raw_server, pool) -> None:
     resp = await pool.request("POST", url, "/x", JSON, b"{}")
     assert resp.status == 204 and not resp.headers and resp.names == frozenset()
     resp.close()
+
+
+def test_a_request_head_carries_the_client_s_header_bytes() -> None:
+    """The data port decodes a client's header fields as latin-1; the replica gets those bytes
+    back, not their UTF-8 encoding."""
+    from kvrouter.router.upstream_http import _serialize
+
+    client_bytes = b"\xe9t\xe9 caf\xc3\xa9"
+    head = _serialize("POST", "/v1/x", "r:1", CIMultiDict([("X-Latin", client_bytes.decode("latin-1"))]), b"{}")
+    assert b"\r\nX-Latin: " + client_bytes + b"\r\n" in head
