@@ -10,7 +10,7 @@ next decision leaves the view, and the snapshot, as they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
@@ -38,25 +38,15 @@ _HOMED_INDEX = tuple(_VIEW_INDEX[name] for name in ("homed_sessions", "homed_tok
 
 # A new view, and a new snapshot, are made once per decision at any concurrency (each sees the
 # in-flight counts the last one changed): filled without their frozen __init__ (router/slot_fill.py).
-_fill_view = slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)
+# `_new_view(values)` is `ReplicaView(*values)` (its __post_init__ run by the filler), and
+# `_new_snapshot(values)` is `Snapshot(*values)` with every field given (its memo a new FleetMemo).
+_new_view = slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)
     (f.name, f.default) for f in dataclasses.fields(ReplicaView)
     if not f.init and f.default is not dataclasses.MISSING))
 _SNAPSHOT_FIELDS = tuple(f.name for f in dataclasses.fields(Snapshot))
-_fill_snapshot = slot_filler(Snapshot, _SNAPSHOT_FIELDS)
+_new_snapshot = slot_filler(Snapshot, _SNAPSHOT_FIELDS)
 _snapshot_values = attrgetter(*_SNAPSHOT_FIELDS)
 _SESSION_INDEX = _SNAPSHOT_FIELDS.index("session")
-
-
-def _new_view(values: Sequence[Any]) -> ReplicaView:
-    """`ReplicaView(*values)`, faster (see above; the filler runs its __post_init__)."""
-    view: ReplicaView = _fill_view(values)
-    return view
-
-
-def _new_snapshot(*values: Any) -> Snapshot:
-    """`Snapshot(*values)` with every field given (its memo a new FleetMemo), faster."""
-    snapshot: Snapshot = _fill_snapshot(values)
-    return snapshot
 
 
 def with_session(snapshot: Snapshot, session: SessionView | None) -> Snapshot:
@@ -64,7 +54,7 @@ def with_session(snapshot: Snapshot, session: SessionView | None) -> Snapshot:
     request with a session key makes one per decision."""
     values = list(_snapshot_values(snapshot))
     values[_SESSION_INDEX] = session
-    made: Snapshot = _fill_snapshot(values)
+    made: Snapshot = _new_snapshot(values)
     return made
 
 
@@ -189,11 +179,11 @@ class ReplicaRegistry:
             for url in {**self._in_flight, **self._homed}:  # each once: it applies both notes
                 self._apply_noted(url)
         if self._snapshot is None:
-            self._snapshot = _new_snapshot(
+            self._snapshot = _new_snapshot((
                 tuple(self._views.values()), None, self._by_id, self._healthy_load,
                 self._healthy_count, tuple(self._fresh), self._epoch, tuple(self._loads.values()),
                 self, FleetMemo(),
-            )
+            ))
         return self._snapshot
 
     def _update(self, url: str, **changes: Any) -> ReplicaView | None:

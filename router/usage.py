@@ -13,7 +13,6 @@ caller counts, and the response goes on unchanged.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any

@@ -160,7 +160,7 @@ def test_views_and_snapshots_made_without_their_constructors_equal_constructed_o
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.in_flight = 4  # type: ignore[misc]
     values = ((view,), None, None, 7, 1, (), 3, (7,), None, FleetMemo())
-    snapshot = _new_snapshot(*values)
+    snapshot = _new_snapshot(values)
     assert type(snapshot) is Snapshot and snapshot == Snapshot(*values)
     assert [getattr(snapshot, f.name) for f in dataclasses.fields(Snapshot)] == list(values)
     with pytest.raises(dataclasses.FrozenInstanceError):
