@@ -1,0 +1,130 @@
+"""Overhead of one shadow policy per decision on replayed real coding-agent sessions, 100 replicas.
+
+benchmarks/shadow.py times shadows on a synthetic mix (half new sessions, prompts nobody else
+holds). This one times them where the decisions come from real traffic: the cluster simulator
+replays the committed Claude Code traces (`benchmarks/traces`, its `set2` and `set3`; each file
+`--copies` times, as that many users) through the live router's own `RoutingEngine` on 100
+simulated replicas, so the mix of rules (affinity, rehome_evicted, new sessions, empty replicas),
+the KV index's matches (system prompts every replica holds) and the replicas' changing views are
+what a live router at that scale sees. At every decision the engine's notes are worked out twice
+on the decision's own snapshot, without and with the shadow, before the decision is committed;
+which of the two runs first alternates, so neither gets the other's warm caches. The overhead is
+the difference of the two: the mean difference per decision (what the shadow costs the process)
+and the difference of the two medians, overall and by the rule the shadow's own decision took.
+
+    python benchmarks/shadow_traces.py [--pairs consistent-hash:coding-agent,...] [--copies 8]
+        [--stagger-s 2] [--duration-s 3600] [--json docs/benchmarks-shadow-traces.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from portable import code_version, portable_command  # benchmarks/ is on sys.path: this runs as a script
+
+from kvrouter.loadtest.cluster_config import SimConfig
+from kvrouter.loadtest.cluster_sim import ClusterSimulator
+from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
+from kvrouter.loadtest.workload_config import load_workload
+from kvrouter.metrics.router_metrics import RouterMetrics
+from kvrouter.policies.registry import build_policy
+
+TRACES = Path(__file__).resolve().parent / "traces"
+TRACE_SETS = (TRACES, TRACES / "set2", TRACES / "set3")
+PAIRS = (("consistent-hash", "coding-agent"), ("coding-agent", "consistent-hash"),
+         ("coding-agent", "prefix-aware"))
+REPLICAS = 100
+
+
+def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s: float) -> dict[str, object]:
+    arrivals = claude_code_arrivals(TRACE_SETS, copies=copies, stagger_s=stagger_s, max_context_tokens=262_144)
+    config = SimConfig(replicas=REPLICAS, duration_s=duration_s, seed=1, warmup_s=0.0, warm_start=False)
+    sim = ClusterSimulator(config, primary, load_workload("coding-agent"), arrivals=arrivals)
+    engine = sim.engine
+    engine.metrics = RouterMetrics()  # the live router counts shadow metrics; so does this
+    with_shadow = ((shadow, build_policy(shadow)),)
+    commit = engine.commit
+    clock = time.perf_counter
+    rows: list[tuple[str, float, float]] = []  # (the shadow's rule, seconds without, with)
+
+    def timed_commit(decision, summary, session, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("target") is None:
+            snapshot = engine._snapshot(session)  # what `commit` notes on: nothing changed since
+            order = ((), with_shadow) if len(rows) % 2 else (with_shadow, ())
+            took = {}
+            for shadows in order:
+                engine.shadows = shadows
+                t0 = clock()
+                notes = engine.notes(snapshot, summary, decision)
+                took[bool(shadows)] = clock() - t0
+                if shadows:
+                    other = notes.shadows[0][1]
+            engine.shadows = ()
+            rows.append((other.reason if other is not None else "none", took[False], took[True]))
+        return commit(decision, summary, session, **kw)
+
+    engine.commit = timed_commit  # every decision the simulator commits is timed here first
+    started = time.perf_counter()
+    sim.run()
+    wall = time.perf_counter() - started
+
+    def summary_of(picked: list[tuple[str, float, float]]) -> dict[str, object]:
+        without = [w * 1e6 for _, w, _ in picked]
+        with_ = [s * 1e6 for _, _, s in picked]
+        return {"decisions": len(picked),
+                "overhead_mean_us": round(statistics.fmean(with_) - statistics.fmean(without), 2),
+                "overhead_p50_us": round(statistics.median(with_) - statistics.median(without), 2),
+                "notes_without_shadow_mean_us": round(statistics.fmean(without), 2),
+                "notes_without_shadow_p50_us": round(statistics.median(without), 2)}
+
+    by_rule: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    for row in rows:
+        by_rule[row[0]].append(row)
+    return {"primary": primary, "shadow": shadow, "sessions": len(arrivals),
+            "requests_in_traces": sum(s.n_turns for _, s in arrivals),
+            "simulated_s": duration_s, "wall_s": round(wall, 1), **summary_of(rows),
+            "by_shadow_rule": {rule: summary_of(picked)
+                               for rule, picked in sorted(by_rule.items(), key=lambda kv: -len(kv[1]))}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", default=",".join(f"{p}:{s}" for p, s in PAIRS),
+                    help="primary:shadow pairs, comma-separated")
+    ap.add_argument("--copies", type=int, default=8, help="users per trace file")
+    ap.add_argument("--stagger-s", type=float, default=2.0, help="between top-level sessions' starts")
+    ap.add_argument("--duration-s", type=float, default=3600.0, help="simulated time")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    code = code_version()
+    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
+    rows = []
+    print("| primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us | by the shadow's rule: decisions, mean us |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for pair in args.pairs.split(","):
+        primary, shadow = pair.split(":")
+        row = measure(primary, shadow, args.copies, args.stagger_s, args.duration_s)
+        rows.append(row)
+        rules = "; ".join(f"{rule} {r['decisions']}, {r['overhead_mean_us']:.1f}"
+                          for rule, r in row["by_shadow_rule"].items())  # type: ignore[union-attr]
+        print(f"| {primary} | {shadow} | {row['decisions']} | {row['overhead_mean_us']:.1f} | "
+              f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
+    if args.json:
+        out = {"command": portable_command(["python", *sys.argv]), "code": code, "replicas": REPLICAS,
+               "copies": args.copies, "stagger_s": args.stagger_s, "python": sys.version.split()[0],
+               "cpus": os.cpu_count(),
+               "load_average_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
+               "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
