@@ -16,12 +16,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from .domain import ReplicaView, RequestSummary, Snapshot
 from .cost import CostParams, cold_placement_costs_under, expected_costs
 
 
 # -- candidates ----------------------------------------------------------------------------------
+_matched = itemgetter(1)  # a (replica, matched tokens) item's match
+
+
 @dataclass(frozen=True, slots=True)
 class CandidateSampler:
     """Replicas worth costing: up to half of `max_candidates` holding the most of the prefix
@@ -35,8 +39,11 @@ class CandidateSampler:
         cached = request.cached_tokens
         if not cached:  # a prompt nobody holds (most new sessions): nothing to rank or draw
             return snapshot.sample(request, self.max_candidates, rng)
-        ranked = sorted(cached.items(), key=lambda kv: (-kv[1], kv[0]))  # stable before drawing
-        holders = [r for _, _, r in sorted((-c, rng.random(), r) for r, c in ranked)]
+        # Most held first, then by id (a stable sort by id, then by match descending: no key call
+        # per holder), so the draws below come in an order that does not depend on the index's.
+        ranked = sorted(sorted(cached.items()), key=_matched, reverse=True)
+        random_draw = rng.random
+        holders = [r for _, _, r in sorted([(-c, random_draw(), r) for r, c in ranked])]
         half = self.max_candidates // 2
         return snapshot.sample(request, self.max_candidates, rng, first=holders[:half])
 
