@@ -7,10 +7,12 @@ cluster simulator call the very same code, and tests can hand-build any situatio
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, TypeVar
+
+from .slots import slot_setters
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
@@ -312,15 +314,6 @@ class Decision:
         """Names a home other than the session's `current` one (a rehome, or a fallback away
         from an unusable home). A brand-new session's first home replaces nothing."""
         return self.home is not None and current not in (None, self.home)
-
-
-def slot_setters(cls: type, *names: str) -> tuple[Callable[[object, object], None], ...]:
-    """The setters of a frozen slotted dataclass's fields, for a hand-written `__init__`
-    (`init=False`) of a class made on every decision. The generated one sets each field with
-    `object.__setattr__(self, name, value)` (the way round the frozen guard), which looks the
-    field up by name every time; the slot's own setter stores the value directly, in about half
-    the time. The instance is the same: same fields, still frozen to everyone else."""
-    return tuple(getattr(cls, name).__set__ for name in names)
 
 
 _set_replica, _set_reason, _set_home = slot_setters(Decision, "replica", "reason", "home")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import CostParams, request_cost
-from .domain import RequestSummary, Snapshot, slot_setters
+from .domain import RequestSummary, Snapshot
+from .slots import slot_setters
 
 DEFAULT_COST = CostParams()
 

@@ -29,11 +29,11 @@ from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
 from .ranks import RankTable
 from .replicas import ReplicaRegistry, with_session
 from .sessions import SessionTable
-from .slot_fill import slot_filler
+from ..policies.slots import slot_filler
 
 
 # `dataclasses.replace(summary, cached_tokens=..., host_cached_tokens=...)` for every request
-# with prefix blocks, without replace's field loop and the frozen __init__ (router/slot_fill.py).
+# with prefix blocks, without replace's field loop and the frozen __init__ (policies/slots.py).
 _SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(RequestSummary))
 if not all(f.init for f in dataclasses.fields(RequestSummary)) or hasattr(RequestSummary, "__post_init__"):
     raise TypeError("RequestSummary gained derived fields: _with_matches must compute them")

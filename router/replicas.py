@@ -18,7 +18,7 @@ from typing import Any
 from ..sglang_protocol.signals import ReplicaSignals
 from ..policies.domain import FleetMemo, LoadScan, ReplicaView, SessionView, Snapshot
 from .load_index import LoadIndex
-from .slot_fill import slot_filler
+from ..policies.slots import slot_filler
 
 _SIGNAL_FIELDS = (
     "num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens",
@@ -37,7 +37,7 @@ _IN_FLIGHT_INDEX = tuple(_VIEW_INDEX[name] for name in
 _HOMED_INDEX = tuple(_VIEW_INDEX[name] for name in ("homed_sessions", "homed_tokens"))
 
 # A new view, and a new snapshot, are made once per decision at any concurrency (each sees the
-# in-flight counts the last one changed): filled without their frozen __init__ (router/slot_fill.py).
+# in-flight counts the last one changed): filled without their frozen __init__ (policies/slots.py).
 # `_new_view(values)` is `ReplicaView(*values)` (its __post_init__ run by the filler), and
 # `_new_snapshot(values)` is `Snapshot(*values)` with every field given (its memo a new FleetMemo).
 _new_view = slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)

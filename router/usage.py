@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .json_splice import SplicedBody, with_member
-from .slot_fill import slot_filler
+from ..policies.slots import slot_filler
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A usage-only stream event, as SGLang (pydantic) and the simulated replica (orjson) write it:

@@ -1,4 +1,4 @@
-"""router/slot_fill.py: frozen slotted dataclass instances made without their __init__ are
+"""policies/slots.py: frozen slotted dataclass instances made without their __init__ are
 the objects the constructors make (equal, same class, still frozen), for the request path's
 uses: a request summary with its KV-index matches (the engine), a view, a snapshot."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvrouter.policies.domain import RequestSummary, Snapshot
 from kvrouter.router.engine import _with_matches
-from kvrouter.router.slot_fill import slot_filler
+from kvrouter.policies.slots import slot_filler
 
 
 def test_a_summary_with_its_matches_equals_dataclasses_replace() -> None:

@@ -1,13 +1,18 @@
-"""Frozen slotted dataclass instances made without their __init__, for the objects the request
-path makes once or more per request (replica views, snapshots, request summaries, usage
-reports).
+"""Frozen slotted dataclasses made fast, for the objects routing makes once or more per request.
 
-A frozen dataclass's __init__ sets each field through object.__setattr__, and filling its slots
-through their member descriptors is no cheaper: on this interpreter, under callgrind, a replica
-view (18 fields) took ~20k instructions either way. An object of a plain class with the same
-__slots__ takes plain slot stores (the interpreter's fastest attribute write), and Python lets
-an object change class between two identical layouts: filled that way and then given its class,
-the view takes ~7k (its __post_init__ included). Nothing else ever sees the object writable.
+A frozen dataclass's generated __init__ sets each field through object.__setattr__ (the way
+round the frozen guard), which looks the field up by name every time. Two ways round it, one
+per way such an object is made:
+
+- `slot_setters`: a class built by its constructor (`Decision(replica, reason)` in every policy)
+  gets a hand-written __init__ (`init=False`) that stores through each slot's own setter, in
+  about half the time.
+- `slot_filler`: a factory making many fields at once (replica views, snapshots, request
+  summaries, usage reports) fills an object of a plain class with the same __slots__ (plain
+  slot stores, the interpreter's fastest attribute write) and then gives it its class: Python
+  lets an object change class between two identical layouts. On this interpreter, under
+  callgrind, a replica view (18 fields) took ~20k instructions through either setter and ~7k
+  filled this way (its __post_init__ included). Nothing else ever sees the object writable.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _new_object = object.__new__
+
+
+def slot_setters(cls: type, *names: str) -> tuple[Callable[[object, object], None], ...]:
+    """The setters of the frozen slotted dataclass `cls`'s fields `names`, for its hand-written
+    `__init__` (`init=False`). The instance is the same: same fields, still frozen to everyone
+    else."""
+    return tuple(getattr(cls, name).__set__ for name in names)
 
 
 def slot_filler(cls: type, names: tuple[str, ...],
