@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from portable import code_version, portable_command  # benchmarks/ is on sys.path: this runs as a script
+from portable import code_version, portable, portable_command  # benchmarks/ is on sys.path: this runs as a script
 
 from kvrouter.loadtest.cluster_config import SimConfig
 from kvrouter.loadtest.cluster_sim import ClusterSimulator
@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {primary} | {shadow} | {row['decisions']} | {row['overhead_mean_us']:.1f} | "
               f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
     if args.json:
-        given = sys.argv[1:] if argv is None else argv
+        # Saved as run from the repository's root, whatever the working directory was.
+        given = [portable(str(Path(a).resolve())) if a == args.json else a
+                 for a in (sys.argv[1:] if argv is None else argv)]
         out = {"command": portable_command(["python", "benchmarks/shadow_traces.py", *given]), "code": code, "replicas": REPLICAS,
                "copies": args.copies, "stagger_s": args.stagger_s, "gc_paused_while_timed": not args.keep_gc,
                "python": sys.version.split()[0],

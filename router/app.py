@@ -148,6 +148,7 @@ class Router:
             self.relay.decision_log = self.decision_log
             self.engine.explain = True
         self.engine.shadows = tuple((name, build_policy(name)) for name in config.routing.shadow)
+        self.engine.shadow_sample = config.routing.shadow_sample
         self.tracing = self._make_tracing(config)
         if self.tracing is not None:
             self.relay.tracing = self.tracing

@@ -152,6 +152,12 @@ class RoutingConfig(_Strict):
         "snapshot also goes to them, no traffic moves; the decision log and the "
         "kvrouter_shadow_* metrics record where each would have sent it and its predicted cost.",
     )
+    shadow_sample: float = Field(
+        1.0, gt=0.0, le=1.0, description="Share of decisions the shadow policies are asked about, "
+        "drawn at random per decision (1: every one). Each costs a decision and a prediction per "
+        "shadow (tens of us at 100 replicas, see docs/observability.md); the agreement and gain "
+        "in the metrics and `kvrouter report` are then over the decisions asked.",
+    )
 
     @field_validator("shadow")
     @classmethod

@@ -131,7 +131,9 @@ class RoutingEngine:
         # policy's random stream (and so the simulator's runs) unchanged.
         self.explain = False
         self.shadows: tuple[tuple[str, Policy], ...] = ()  # (name as configured, policy)
+        self.shadow_sample = 1.0  # share of decisions the shadows are asked about (routing.shadow_sample)
         self._shadow_rng = random.Random(0)
+        self._shadow_sampler = random.Random(1)  # its own stream: the shadows' draws stay as they were
         self._shadow_keys = ShadowCountKeys()
         # Called with the replica and whether the request was served (not retried, moved or
         # failed) each time a request's slot is released (admission control re-decides waiting
@@ -191,24 +193,28 @@ class RoutingEngine:
         snapshot, summary = self.prepare(summary, session)
         return self.policy.decide(snapshot, summary, self.rng), summary
 
-    def notes(self, snapshot: Snapshot, summary: RequestSummary, decision: Decision) -> DecisionNotes:
-        """What `decision` predicts, and where each shadow policy would have sent the request
-        (pure calls on the same snapshot; the shadow metrics are counted here)."""
+    def notes(self, snapshot: Snapshot, summary: RequestSummary, decision: Decision,
+              shadows: tuple[tuple[str, Policy], ...] | None = None) -> DecisionNotes:
+        """What `decision` predicts, and where each shadow policy (`shadows`, all of them by
+        default) would have sent the request (pure calls on the same snapshot; the shadow
+        metrics are counted here)."""
+        if shadows is None:
+            shadows = self.shadows
         live = decision.replica
         chosen = predict(snapshot, summary, live)
         predicted = {live: chosen}  # a pick already predicted is not costed again
-        shadows = []
+        noted = []
         m = self.metrics
         # Deferred counts (RouterMetrics.count), added to directly with keys made once per series.
-        counts = m.pending_counts() if m is not None and self.shadows else None
-        for name, shadow in self.shadows:
+        counts = m.pending_counts() if m is not None and shadows else None
+        for name, shadow in shadows:
             other = shadow.decide(snapshot, summary, self._shadow_rng)
             guess = None
             if other is not None:
                 guess = predicted.get(other.replica)
                 if guess is None:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
-            shadows.append((name, other, guess))
+            noted.append((name, other, guess))
             if counts is not None:
                 agree, disagree, ttft, picks = self._shadow_keys.of(m, name)  # type: ignore[arg-type]
                 key = agree if guess is not None and guess.replica == live else disagree
@@ -226,7 +232,7 @@ class RoutingEngine:
             healthy = sum(r.healthy for r in snapshot.replicas)
         if summary.exclude:
             healthy -= sum(1 for rid in summary.exclude if (v := snapshot.get(rid)) is not None and v.healthy)
-        return DecisionNotes(self.policy.name, chosen, tuple(shadows), healthy)
+        return DecisionNotes(self.policy.name, chosen, tuple(noted), healthy)
 
     def place(
         self,
@@ -271,11 +277,14 @@ class RoutingEngine:
         and nothing changes the registry's views until that call."""
         notes = None
         pending = None
-        if target is None and (self.explain or self.shadows):
+        shadows = self.shadows
+        if shadows and self.shadow_sample < 1.0 and self._shadow_sampler.random() >= self.shadow_sample:
+            shadows = ()  # not this decision (routing.shadow_sample)
+        if target is None and (self.explain or shadows):
             if defer_notes:
-                pending = (self._snapshot(session), summary, decision)
+                pending = (self._snapshot(session), summary, decision, shadows)
             else:
-                notes = self.notes(self._snapshot(session), summary, decision)
+                notes = self.notes(self._snapshot(session), summary, decision, shadows)
         if self.metrics is not None:
             m = self.metrics
             m.count(m.decisions, (self.policy.name, decision.reason))

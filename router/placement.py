@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..policies.domain import Decision, RequestSummary, SessionView, Snapshot
+from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
 from ..policies.predict import Prediction
 from .usage import UsageReport
 
@@ -118,7 +118,7 @@ class Placement:
         self.notes = notes  # with engine.explain or shadow policies on; else None
         # (snapshot, summary, decision) of notes not worked out yet (`settle_notes`); whether
         # this attempt's retries defer theirs too
-        self._pending_notes: tuple[Snapshot, RequestSummary, Decision] | None = None
+        self._pending_notes: tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]] | None = None
         self._defer_notes = False
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
         self.sent_at: float | None = None  # when the relay sent it (its clock), once it did
@@ -199,7 +199,9 @@ class Placement:
         if tokens and self._held and registry.registration(self.url) == self._registration:
             registry.prefill_answered(self.url, tokens)
 
-    def defer_notes(self, pending: tuple[Snapshot, RequestSummary, Decision] | None) -> None:
+    def defer_notes(
+        self, pending: tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]] | None,
+    ) -> None:
         """`RoutingEngine.commit(defer_notes=True)`: the decision's notes are worked out by
         `settle_notes` (`pending`: what they are worked out from; None: no notes to make), and
         this attempt's retries defer theirs too."""

@@ -210,3 +210,24 @@ async def test_a_client_that_leaves_mid_stream_still_gets_its_line(start_app, st
         assert line["status"] == 499 and line["replica"] == up and line["ttft_s"] is not None
     finally:
         release.set()
+
+
+async def test_sampled_shadows_appear_on_some_lines_only(start_app, start_router, tmp_path: Path) -> None:
+    sims = [await start_app(build_app("tiny", time_scale=200.0, seed=i)) for i in range(2)]
+    path = tmp_path / "decisions.jsonl"
+    router, url = await start_router(
+        sims, observability={"decision_log": str(path)},
+        routing={"shadow": ["consistent-hash"], "shadow_sample": 0.5})
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        for i in range(12):
+            await client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=2)
+    finally:
+        await client.close()
+    lines = await wait_for_lines(path, 12)
+    with_shadow = [line for line in lines if "shadow" in line]
+    assert 0 < len(with_shadow) < 12  # every line has its own prediction; the shadow only some
+    assert all(line["predicted_ttft_s"] > 0 for line in lines)
+    total = sum(_sample(router, "kvrouter_shadow_decisions_total", shadow="consistent-hash", agrees=a)
+                for a in ("true", "false"))
+    assert total == len(with_shadow)

@@ -143,3 +143,35 @@ def test_shadow_counts_follow_a_replaced_metrics_object_and_sum_every_prediction
     live = sum(p.notes.chosen.ttft_s for p in placements)
     assert reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
                                 {"policy": "round_robin", "role": "live"}) == pytest.approx(live)
+
+
+def test_sampled_shadows_are_asked_about_that_share_of_decisions_and_counted_only_then() -> None:
+    engine = make_engine(build_policy("random"), ("consistent-hash", "prefix-aware"))
+    engine.shadow_sample = 0.25
+    engine.explain = True  # every decision still gets its own prediction
+    asked = 0
+    urls = []
+    for i in range(400):
+        p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100, prefix_blocks=(i, i + 1)), None,
+                         defer_notes=bool(i % 2))  # the relay's deferred notes sample alike
+        assert p is not None
+        p.settle_notes()
+        assert p.notes is not None and p.notes.chosen.replica == p.url
+        names = [name for name, _, _ in p.notes.shadows]
+        assert names in ([], ["consistent-hash", "prefix-aware"])  # all shadows or none
+        asked += bool(names)
+        urls.append(p.url)
+        p.done()
+    assert 60 <= asked <= 140  # a quarter of 400, drawn per decision
+    reg = engine.metrics.registry
+    for name in ("consistent-hash", "prefix-aware"):
+        assert sum(reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": a}) or 0
+                   for a in ("true", "false")) == asked
+    assert urls == placed(make_engine(build_policy("random")), 400)  # traffic as without shadows
+
+
+def test_shadow_sample_must_be_a_share() -> None:
+    assert parse_config({}).routing.shadow_sample == 1.0
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match=r"routing\.shadow_sample"):
+            parse_config({"routing": {"shadow": ["prefix-aware"], "shadow_sample": bad}})
