@@ -7,9 +7,11 @@ absolute path (a scratch file, another virtualenv's program) keeps only its file
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +36,13 @@ def portable(text: str) -> str:
 
 def portable_command(argv: Iterable[str]) -> str:
     return portable(" ".join(shlex.quote(a) for a in argv))
+
+
+def machine_facts(load_before: tuple[float, float, float]) -> dict[str, object]:
+    """The interpreter, the CPUs and the 1-minute load average at the start (`load_before`, from
+    `os.getloadavg()`) and now: the machine may be shared, so a run says how busy it was."""
+    return {"python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "load_average_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)}}
 
 
 def code_version() -> dict[str, object] | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from dp_scenarios import pct  # benchmarks/ is on sys.path: this runs as a script
 from placement import build, random_prompt
+from portable import machine_facts
 
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.domain import RequestSummary
@@ -117,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['notes_without_shadow_p50_us']:.1f} |", flush=True)
     if args.json:
         out = {"replicas": args.replicas, "decisions": args.decisions, "repeats": args.repeats,
-               "python": sys.version.split()[0], "cpus": os.cpu_count(),
-               "load_average_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
-               "rows": rows}
+               **machine_facts(load_before), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

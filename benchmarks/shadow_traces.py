@@ -33,7 +33,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from portable import code_version, portable, portable_command  # benchmarks/ is on sys.path: this runs as a script
+# benchmarks/ is on sys.path: this runs as a script
+from portable import code_version, machine_facts, portable, portable_command
 
 from kvrouter.loadtest.cluster_config import SimConfig
 from kvrouter.loadtest.cluster_sim import ClusterSimulator
@@ -132,12 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         # Saved as run from the repository's root, whatever the working directory was.
         given = [portable(str(Path(a).resolve())) if a == args.json else a
                  for a in (sys.argv[1:] if argv is None else argv)]
-        out = {"command": portable_command(["python", "benchmarks/shadow_traces.py", *given]), "code": code, "replicas": REPLICAS,
-               "copies": args.copies, "stagger_s": args.stagger_s, "gc_paused_while_timed": not args.keep_gc,
-               "python": sys.version.split()[0],
-               "cpus": os.cpu_count(),
-               "load_average_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
-               "rows": rows}
+        out = {"command": portable_command(["python", "benchmarks/shadow_traces.py", *given]), "code": code,
+               "replicas": REPLICAS, "copies": args.copies, "stagger_s": args.stagger_s,
+               "gc_paused_while_timed": not args.keep_gc, **machine_facts(load_before), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
