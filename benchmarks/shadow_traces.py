@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     code = code_version()
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     rows = []
-    print("| primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us | by the shadow's rule: decisions, mean us |")
+    print("| primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us "
+          "| by the shadow's rule: decisions, mean us |")
     print("|---|---|---:|---:|---:|---:|---|")
     for pair in args.pairs.split(","):
         primary, shadow = pair.split(":")
