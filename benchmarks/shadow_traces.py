@@ -69,16 +69,16 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
             took = {}
             if not keep_gc:
                 gc.disable()  # see the module's docstring
-            for shadows in order:
-                engine.shadows = shadows
-                t0 = clock()
-                notes = engine.notes(snapshot, summary, decision)
-                took[bool(shadows)] = clock() - t0
-                if shadows:
-                    other = notes.shadows[0][1]
-            engine.shadows = ()
-            if not keep_gc:
-                gc.enable()
+            try:
+                for shadows in order:
+                    t0 = clock()
+                    notes = engine.notes(snapshot, summary, decision, shadows)
+                    took[bool(shadows)] = clock() - t0
+                    if shadows:
+                        other = notes.shadows[0][1]
+            finally:
+                if not keep_gc:
+                    gc.enable()
             rows.append((other.reason if other is not None else "none", took[False], took[True]))
         return commit(decision, summary, session, **kw)
 
@@ -131,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {primary} | {shadow} | {row['decisions']} | {row['overhead_mean_us']:.1f} | "
               f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
     if args.json:
-        # Saved as run from the repository's root, whatever the working directory was.
-        given = [portable(str(Path(a).resolve())) if a == args.json else a
-                 for a in (sys.argv[1:] if argv is None else argv)]
-        out = {"command": portable_command(["python", "benchmarks/shadow_traces.py", *given]), "code": code,
+        # Every option spelled out, as run from the repository's root whatever the working directory was.
+        command = ["python", "benchmarks/shadow_traces.py", "--pairs", args.pairs, "--copies", str(args.copies),
+                   "--stagger-s", f"{args.stagger_s:g}", "--duration-s", f"{args.duration_s:g}",
+                   *(["--keep-gc"] if args.keep_gc else []), "--json", portable(str(Path(args.json).resolve()))]
+        out = {"command": portable_command(command), "code": code,
                "replicas": REPLICAS, "copies": args.copies, "stagger_s": args.stagger_s,
                "gc_paused_while_timed": not args.keep_gc, **machine_facts(load_before), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

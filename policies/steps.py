@@ -39,8 +39,8 @@ class CandidateSampler:
         cached = request.cached_tokens
         if not cached:  # a prompt nobody holds (most new sessions): nothing to rank or draw
             return snapshot.sample(request, self.max_candidates, rng)
-        # Most held first, then by id (a stable sort by id, then by match descending: no key call
-        # per holder), so the draws below come in an order that does not depend on the index's.
+        # Most held first, then by id (a stable sort by id, then by match descending: no Python
+        # key function), so the draws below come in an order that does not depend on the index's.
         ranked = sorted(sorted(cached.items()), key=_matched, reverse=True)
         random_draw = rng.random
         holders = [r for _, _, r in sorted([(-c, random_draw(), r) for r, c in ranked])]

@@ -154,9 +154,10 @@ class RoutingConfig(_Strict):
     )
     shadow_sample: float = Field(
         1.0, gt=0.0, le=1.0, description="Share of decisions the shadow policies are asked about, "
-        "drawn at random per decision (1: every one). Each costs a decision and a prediction per "
-        "shadow (tens of us at 100 replicas, see docs/observability.md); the agreement and gain "
-        "in the metrics and `kvrouter report` are then over the decisions asked.",
+        "drawn at random per decision (1: every one). Each decision asked costs a decision and a "
+        "prediction per shadow, and the live pick's prediction when neither the decision log nor "
+        "tracing is on (tens of us at 100 replicas, see docs/observability.md); the agreement and "
+        "gain in the metrics and `kvrouter report` are then over the decisions asked. Read at start.",
     )
 
     @field_validator("shadow")

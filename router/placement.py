@@ -115,9 +115,9 @@ class Placement:
         notes: DecisionNotes | None = None,
     ) -> None:
         self.engine = engine
-        self.notes = notes  # with engine.explain or shadow policies on; else None
-        # (snapshot, summary, decision) of notes not worked out yet (`settle_notes`); whether
-        # this attempt's retries defer theirs too
+        self.notes = notes  # with engine.explain on or the shadows asked about this decision; else None
+        # (snapshot, summary, decision, shadows asked) of notes not worked out yet (`settle_notes`);
+        # whether this attempt's retries defer theirs too
         self._pending_notes: tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]] | None = None
         self._defer_notes = False
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte

@@ -114,6 +114,18 @@ def test_report_summarises_agreement_and_predicted_gain(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["shadows"]["prefix-aware"]["requests"] == 2
 
 
+def test_report_over_a_sampled_log_compares_each_shadow_over_the_lines_that_have_it(tmp_path: Path) -> None:
+    rows = [_row(A, 1.0, {"consistent-hash": (B, 3.0, 0)}), _row(B, 2.0, {}), _row(C, 4.0, {})]
+    del rows[1]["shadow"]  # routing.shadow_sample: this decision was not asked
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [{"format": LOG_FORMAT}, *rows]))
+    report = shadow_report(path)
+    ch = report["shadows"]["consistent-hash"]
+    assert ch["requests"] == 1 and ch["agreement"] == 0.0
+    assert ch["predicted_gain_s"] == pytest.approx(2.0)  # 3.0 against the live 1.0 of that line
+    assert report["live"]["requests"] == 3
+
+
 def test_shadow_counts_follow_a_replaced_metrics_object_and_sum_every_prediction() -> None:
     # The shadow metrics' count keys are made once and kept: a new RouterMetrics (a benchmark or
     # a test swaps it) must get its own, and every decision's predictions must be summed.
@@ -151,6 +163,7 @@ def test_sampled_shadows_are_asked_about_that_share_of_decisions_and_counted_onl
     engine.explain = True  # every decision still gets its own prediction
     asked = 0
     urls = []
+    live_ttft = 0.0  # the live pick's predictions of the decisions asked, and only those
     for i in range(400):
         p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100, prefix_blocks=(i, i + 1)), None,
                          defer_notes=bool(i % 2))  # the relay's deferred notes sample alike
@@ -160,6 +173,7 @@ def test_sampled_shadows_are_asked_about_that_share_of_decisions_and_counted_onl
         names = [name for name, _, _ in p.notes.shadows]
         assert names in ([], ["consistent-hash", "prefix-aware"])  # all shadows or none
         asked += bool(names)
+        live_ttft += p.notes.chosen.ttft_s if names else 0.0
         urls.append(p.url)
         p.done()
     assert 60 <= asked <= 140  # a quarter of 400, drawn per decision
@@ -167,7 +181,28 @@ def test_sampled_shadows_are_asked_about_that_share_of_decisions_and_counted_onl
     for name in ("consistent-hash", "prefix-aware"):
         assert sum(reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": name, "agrees": a}) or 0
                    for a in ("true", "false")) == asked
+    assert reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
+                                {"policy": "random", "role": "live"}) == pytest.approx(live_ttft)
     assert urls == placed(make_engine(build_policy("random")), 400)  # traffic as without shadows
+
+
+def test_sampling_leaves_the_shadows_own_stream_as_it_was() -> None:
+    # A random shadow asked about a share of decisions draws what it would have drawn on its
+    # first decisions when asked about all of them: the sample comes from a stream of its own.
+    def shadow_picks(sample: float, n: int) -> list[str]:
+        engine = make_engine(build_policy("round-robin"), ("random",))
+        engine.shadow_sample = sample
+        picks = []
+        for i in range(n):
+            p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100, prefix_blocks=(i,)), None)
+            assert p is not None
+            picks += [d.replica for _, d, _ in (p.notes.shadows if p.notes is not None else ())]
+            p.done()
+        return picks
+
+    sampled = shadow_picks(0.5, 200)
+    assert 0 < len(sampled) < 200
+    assert sampled == shadow_picks(1.0, len(sampled))
 
 
 def test_shadow_sample_must_be_a_share() -> None:

@@ -9,14 +9,17 @@ from pathlib import Path
 from .benchmark_modules import load_benchmark
 
 
-def test_short_replay_times_every_decision_and_writes_the_rows(tmp_path: Path) -> None:
+def test_short_replay_times_every_decision_and_writes_the_rows(tmp_path: Path, monkeypatch) -> None:
     bench = load_benchmark("shadow_traces")
-    out = tmp_path / "shadow.json"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # a relative --json from another directory
     assert bench.main(["--pairs", "consistent-hash:coding-agent", "--copies", "1", "--duration-s", "120",
-                       "--json", str(out)]) == 0
-    saved = json.loads(out.read_text())
+                       "--json=../shadow.json"]) == 0
+    saved = json.loads((tmp_path / "shadow.json").read_text())
     assert saved["replicas"] == 100 and saved["gc_paused_while_timed"] is True
-    assert saved["command"].startswith("python benchmarks/shadow_traces.py --pairs consistent-hash:coding-agent")
+    # Every option spelled out; a path outside the repository keeps only its name.
+    assert saved["command"] == ("python benchmarks/shadow_traces.py --pairs consistent-hash:coding-agent --copies 1 "
+                                "--stagger-s 2 --duration-s 120 --json shadow.json")
     assert saved["code"] is not None
     (row,) = saved["rows"]
     assert (row["primary"], row["shadow"]) == ("consistent-hash", "coding-agent")

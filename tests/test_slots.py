@@ -1,4 +1,4 @@
-"""policies/slots.py: frozen slotted dataclass instances made without their __init__ are
+"""policies/slots.py: frozen slotted dataclass instances made without their generated __init__ are
 the objects the constructors make (equal, same class, still frozen), for the request path's
 uses: a request summary with its KV-index matches (the engine), a view, a snapshot."""
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvrouter.policies.domain import RequestSummary, Snapshot
+from kvrouter.policies.domain import Decision, RequestSummary, Snapshot
 from kvrouter.router.engine import _with_matches
-from kvrouter.policies.slots import slot_filler
+from kvrouter.policies.slots import slot_filler, slot_setters
 
 
 def test_a_summary_with_its_matches_equals_dataclasses_replace() -> None:
@@ -99,3 +99,27 @@ def test_the_filler_runs_post_init_which_sets_the_derived_fields() -> None:
 
     made = slot_filler(Derived, ("a", "b"))([2, 3])
     assert made == Derived(2, 3) and made.total == 5
+
+
+def test_slot_setters_make_the_objects_the_generated_init_makes() -> None:
+    @dataclass(frozen=True, slots=True, init=False)
+    class Hand:
+        a: int
+        b: str
+
+        def __init__(self, a: int, b: str) -> None:
+            set_a(self, a)
+            set_b(self, b)
+
+    set_a, set_b = slot_setters(Hand, "a", "b")
+
+    @dataclass(frozen=True, slots=True)
+    class Generated:
+        a: int
+        b: str
+
+    made = Hand(1, "x")
+    assert (made.a, made.b) == dataclasses.astuple(Generated(1, "x")) and made == Hand(1, "x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.a = 2  # type: ignore[misc]
+    assert Decision("r", "affinity") == Decision("r", "affinity", None)  # the policies' own
