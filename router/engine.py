@@ -278,7 +278,8 @@ class RoutingEngine:
         notes = None
         pending = None
         shadows = self.shadows
-        if shadows and self.shadow_sample < 1.0 and self._shadow_sampler.random() >= self.shadow_sample:
+        if (shadows and target is None and self.shadow_sample < 1.0
+                and self._shadow_sampler.random() >= self.shadow_sample):
             shadows = ()  # not this decision (routing.shadow_sample)
         if target is None and (self.explain or shadows):
             if defer_notes:

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvrouter.placement")
 
+# What deferred notes are worked out from: the decision's snapshot, the request, the decision and
+# the shadow policies asked about it (`RoutingEngine.notes`).
+PendingNotes = tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]]
+
 
 class HomeStore(Protocol):
     """The affinity store's home calls, as `router/affinity.py` stores implement them (async)."""
@@ -118,7 +122,7 @@ class Placement:
         self.notes = notes  # with engine.explain on or the shadows asked about this decision; else None
         # (snapshot, summary, decision, shadows asked) of notes not worked out yet (`settle_notes`);
         # whether this attempt's retries defer theirs too
-        self._pending_notes: tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]] | None = None
+        self._pending_notes: PendingNotes | None = None
         self._defer_notes = False
         self.ttfb_s: float | None = None  # dispatch to the replica's first response byte
         self.sent_at: float | None = None  # when the relay sent it (its clock), once it did
@@ -199,9 +203,7 @@ class Placement:
         if tokens and self._held and registry.registration(self.url) == self._registration:
             registry.prefill_answered(self.url, tokens)
 
-    def defer_notes(
-        self, pending: tuple[Snapshot, RequestSummary, Decision, tuple[tuple[str, Policy], ...]] | None,
-    ) -> None:
+    def defer_notes(self, pending: PendingNotes | None) -> None:
         """`RoutingEngine.commit(defer_notes=True)`: the decision's notes are worked out by
         `settle_notes` (`pending`: what they are worked out from; None: no notes to make), and
         this attempt's retries defer theirs too."""
