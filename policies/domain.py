@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
-from .slots import slot_setters
+from .slots import slot_replacer, slot_setters
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
@@ -163,8 +163,8 @@ class Snapshot:
     memo: FleetMemo = field(default_factory=FleetMemo, compare=False, repr=False)
 
     def with_session(self, session: SessionView | None) -> "Snapshot":
-        return Snapshot(self.replicas, session, self.by_id, self.healthy_load,
-                        self.healthy_count, self.fresh, self.epoch, self.loads, self.fleet_loads, self.memo)
+        made: Snapshot = snapshot_with_session(self, session)
+        return made
 
     def candidate_views(self, request: RequestSummary) -> tuple[ReplicaView, ...]:
         """Healthy replicas not already tried for this request, in snapshot order: scanned once
@@ -295,6 +295,12 @@ class Snapshot:
             if view.healthy and view.id not in exclude and view.id not in chosen:
                 chosen[view.id] = view
         return list(chosen.values())
+
+
+
+# `snapshot.with_session(session)` without the method's frame: a request with a session key makes
+# one per decision (every other field, the memo too, shared).
+snapshot_with_session = slot_replacer(Snapshot, ("session",))
 
 
 @dataclass(frozen=True, slots=True, init=False)

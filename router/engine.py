@@ -12,43 +12,28 @@ session moves onto fresh replicas that arrivals alone do not fill.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from operator import attrgetter
 
 from ..metrics.router_metrics import RouterMetrics
-from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
+from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot, snapshot_with_session
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from ..policies.predict import predict
 from .kv_index import KVIndex
 from .learning import UsageLearner
 from .placement import DecisionNotes, Placement, RequestRoute, SessionStore
 from .ranks import RankTable
-from .replicas import ReplicaRegistry, with_session
+from .replicas import ReplicaRegistry
 from .sessions import SessionTable
-from ..policies.slots import slot_filler
+from ..policies.slots import slot_replacer
 
 
-# `dataclasses.replace(summary, cached_tokens=..., host_cached_tokens=...)` for every request
-# with prefix blocks, without replace's field loop and the frozen __init__ (policies/slots.py).
-_SUMMARY_FIELDS = tuple(f.name for f in dataclasses.fields(RequestSummary))
-if not all(f.init for f in dataclasses.fields(RequestSummary)) or hasattr(RequestSummary, "__post_init__"):
-    raise TypeError("RequestSummary gained derived fields: _with_matches must compute them")
-_summary_values = attrgetter(*_SUMMARY_FIELDS)
-_MATCH_INDEX = (_SUMMARY_FIELDS.index("cached_tokens"), _SUMMARY_FIELDS.index("host_cached_tokens"))
-_fill_summary = slot_filler(RequestSummary, _SUMMARY_FIELDS)
-
-
-def _with_matches(summary: RequestSummary, cached: Mapping[str, int],
-                  host_cached: Mapping[str, int]) -> RequestSummary:
-    values = list(_summary_values(summary))
-    values[_MATCH_INDEX[0]] = cached
-    values[_MATCH_INDEX[1]] = host_cached
-    replaced: RequestSummary = _fill_summary(values)
-    return replaced
+# `_with_matches(summary, cached, host_cached)` is `dataclasses.replace(summary, cached_tokens=cached,
+# host_cached_tokens=host_cached)` for every request with prefix blocks, without replace's field
+# loop and the frozen __init__ (policies/slots.py).
+_with_matches = slot_replacer(RequestSummary, ("cached_tokens", "host_cached_tokens"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +169,7 @@ class RoutingEngine:
 
     def _snapshot(self, session: SessionView | None) -> Snapshot:
         snapshot = self.registry.snapshot()
-        return with_session(snapshot, session) if session is not None else snapshot
+        return snapshot_with_session(snapshot, session) if session is not None else snapshot
 
     def decide(
         self, summary: RequestSummary, session: SessionView | None

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..sglang_protocol.signals import ReplicaSignals
-from ..policies.domain import FleetMemo, LoadScan, ReplicaView, SessionView, Snapshot
+from ..policies.domain import FleetMemo, LoadScan, ReplicaView, Snapshot
 from .load_index import LoadIndex
 from ..policies.slots import slot_filler
 
@@ -43,19 +43,7 @@ _HOMED_INDEX = tuple(_VIEW_INDEX[name] for name in ("homed_sessions", "homed_tok
 _new_view = slot_filler(ReplicaView, _VIEW_FIELDS, tuple(  # (__post_init__ sets the rest)
     (f.name, f.default) for f in dataclasses.fields(ReplicaView)
     if not f.init and f.default is not dataclasses.MISSING))
-_SNAPSHOT_FIELDS = tuple(f.name for f in dataclasses.fields(Snapshot))
-_new_snapshot = slot_filler(Snapshot, _SNAPSHOT_FIELDS)
-_snapshot_values = attrgetter(*_SNAPSHOT_FIELDS)
-_SESSION_INDEX = _SNAPSHOT_FIELDS.index("session")
-
-
-def with_session(snapshot: Snapshot, session: SessionView | None) -> Snapshot:
-    """`snapshot.with_session(session)` (every other field, the memo too, shared), faster: a
-    request with a session key makes one per decision."""
-    values = list(_snapshot_values(snapshot))
-    values[_SESSION_INDEX] = session
-    made: Snapshot = _new_snapshot(values)
-    return made
+_new_snapshot = slot_filler(Snapshot, tuple(f.name for f in dataclasses.fields(Snapshot)))
 
 
 def _same(a: object, b: object) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from kvrouter.policies.domain import Decision, RequestSummary, Snapshot
 from kvrouter.router.engine import _with_matches
-from kvrouter.policies.slots import slot_filler, slot_setters
+from kvrouter.policies.slots import slot_filler, slot_replacer, slot_setters
 
 
 def test_a_summary_with_its_matches_equals_dataclasses_replace() -> None:
@@ -49,16 +49,17 @@ def test_a_class_whose_layout_cannot_be_twinned_is_refused_at_once() -> None:
         slot_filler(Plain, ())
 
 
-def test_a_snapshot_with_a_session_equals_the_policies_own() -> None:
-    from kvrouter.policies.domain import SessionView
-    from kvrouter.router.replicas import ReplicaRegistry, with_session
+def test_a_snapshot_with_a_session_equals_dataclasses_replace() -> None:
+    from kvrouter.policies.domain import SessionView, snapshot_with_session
+    from kvrouter.router.replicas import ReplicaRegistry
 
     registry = ReplicaRegistry(["http://a:1", "http://b:1"])
     registry.dispatched("http://a:1", 10, 5)
     snapshot = registry.snapshot()
     session = SessionView("k", "http://a:1", 2)
-    made = with_session(snapshot, session)
-    expected = snapshot.with_session(session)
+    made = snapshot_with_session(snapshot, session)
+    assert snapshot.with_session(session) == made  # the method is the same replacement
+    expected = dataclasses.replace(snapshot, session=session)
     assert type(made) is Snapshot and made == expected and made.session is session
     assert all(getattr(made, f.name) is getattr(expected, f.name) for f in dataclasses.fields(Snapshot))
     assert made.memo is snapshot.memo  # scans made on these replicas are shared, as there
@@ -123,3 +124,20 @@ def test_slot_setters_make_the_objects_the_generated_init_makes() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.a = 2  # type: ignore[misc]
     assert Decision("r", "affinity") == Decision("r", "affinity", None)  # the policies' own
+
+
+def test_a_replacer_refuses_what_replace_would_compute_or_does_not_know() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Derived:
+        a: int
+        b: int = dataclasses.field(default=0, init=False)
+
+    with pytest.raises(TypeError, match="Derived: cannot replace"):
+        slot_replacer(Derived, ("a",))
+    with pytest.raises(TypeError, match="RequestSummary: cannot replace"):
+        slot_replacer(RequestSummary, ("nope",))
+    replace = slot_replacer(RequestSummary, ("prompt_tokens",))
+    summary = RequestSummary("/v1/completions", "s", 10, prefix_blocks=(1, 2))
+    made = replace(summary, 20)
+    assert type(made) is RequestSummary and made == dataclasses.replace(summary, prompt_tokens=20)
+    assert made.prefix_blocks is summary.prefix_blocks and summary.prompt_tokens == 10
