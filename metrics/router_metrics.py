@@ -13,6 +13,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from .shadow_tally import ShadowTally
+
 
 # Time-to-first-byte spans a warm turn (tens of ms) to a cold 100k-token prefill behind a queue.
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 400)
@@ -45,6 +47,10 @@ class RouterMetrics:
         self._pending_counts: dict[tuple[Any, tuple[str, ...]], float] = {}
         # (histogram, label values) -> [sum, count in bucket 0, count in bucket 1, ...]
         self._pending_histograms: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
+        # The shadow policies' counts (see shadow_tally.py): shadow name -> its tally, and live
+        # policy name -> the sum of its picks' predicted TTFT on the decisions shadows were asked.
+        self.shadow_tallies: dict[str, ShadowTally] = {}
+        self.live_predicted_ttft: dict[str, float] = {}
         r = self.registry
         r.register(_ApplyPending(self.flush))
         self.requests = Counter(
@@ -296,7 +302,7 @@ class RouterMetrics:
             "Decision-log lines dropped because the writer thread's queue was full.",
             registry=r,
         )
-        # Counted on every decision by each shadow policy, through `count` (deferred).
+        # Counted on every decision by each shadow policy, through `shadow_tally` (deferred).
         self.shadow_decisions = Counter(
             "kvrouter_shadow_decisions_total",
             "Decisions a shadow policy (routing.shadow) was asked for, by whether it picked the "
@@ -345,13 +351,6 @@ class RouterMetrics:
         pending = self._pending_counts
         pending[key] = pending.get(key, 0.0) + amount
 
-    def pending_counts(self) -> dict[tuple[Any, tuple[str, ...]], float]:
-        """The deferred counts `count` adds to, keyed `(metric, label values)`: a path that counts
-        several series per request adds to it directly, with keys it made once
-        (`counts[key] = counts.get(key, 0.0) + amount`), saving a call and a key per count.
-        `flush` replaces the dict: fetch it for each use, never keep it."""
-        return self._pending_counts
-
     def observe(self, metric: Any, values: tuple[str, ...], amount: float) -> None:
         """`metric.labels(*values).observe(amount)` for a Histogram (`metric.observe(amount)`
         without labels), deferred."""
@@ -365,8 +364,33 @@ class RouterMetrics:
         if at < len(bounds) and amount <= bounds[at]:  # (NaN lands in none, as there)
             totals[at + 1] += 1
 
+    def shadow_tally(self, name: str) -> ShadowTally:
+        """The tally the shadow policy `name` adds to until the next collection (look it up in
+        `shadow_tallies` first: this makes it)."""
+        tally = self.shadow_tallies[name] = ShadowTally()
+        return tally
+
+    def _move_shadow_tallies(self) -> None:
+        """Into the deferred counts: the tallies and the live sums, started afresh."""
+        tallies, self.shadow_tallies = self.shadow_tallies, {}
+        live, self.live_predicted_ttft = self.live_predicted_ttft, {}
+        count = self.count
+        for name, tally in tallies.items():
+            if tally.agrees:
+                count(self.shadow_decisions, (name, "true"), tally.agrees)
+            if tally.disagrees:
+                count(self.shadow_decisions, (name, "false"), tally.disagrees)
+            for replica, n in tally.picks.items():
+                count(self.shadow_picks, (replica, name), n)
+            if tally.picks:
+                count(self.shadow_predicted_ttft, (name, "shadow"), tally.predicted_ttft_s)
+        for policy, total in live.items():
+            count(self.shadow_predicted_ttft, (policy, "live"), total)
+
     def flush(self) -> None:
         """Add the deferred counts and observations to their metrics."""
+        if self.shadow_tallies or self.live_predicted_ttft:
+            self._move_shadow_tallies()
         counts, self._pending_counts = self._pending_counts, {}
         for (metric, values), amount in counts.items():
             (self.child(metric, *values) if values else metric).inc(amount)

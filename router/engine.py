@@ -43,47 +43,6 @@ class Move:
     target: str
 
 
-class ShadowCountKeys:
-    """The deferred-count keys (`RouterMetrics.pending_counts`) of the shadow metrics, made once
-    per series instead of once per decision: per shadow name its agrees/disagrees keys, its
-    predicted-TTFT key and its picks' keys by replica; the live policy's predicted-TTFT key."""
-
-    MAX_PICK_KEYS = 4096  # replicas a shadow has picked; a fleet churning past this starts over
-
-    def __init__(self) -> None:
-        self._metrics: RouterMetrics | None = None
-        self._by_name: dict[str, tuple[tuple, tuple, tuple, dict[str, tuple]]] = {}
-        self._live: tuple = ()
-
-    def of(self, m: RouterMetrics, name: str) -> tuple[tuple, tuple, tuple, dict[str, tuple]]:
-        """(agrees key, disagrees key, predicted TTFT key, picks' keys by replica) of `name`."""
-        if m is not self._metrics:  # keys name their metric objects: a new RouterMetrics, new keys
-            self._metrics, self._by_name, self._live = m, {}, ()
-        found = self._by_name.get(name)
-        if found is None:
-            found = self._by_name[name] = (
-                (m.shadow_decisions, (name, "true")), (m.shadow_decisions, (name, "false")),
-                (m.shadow_predicted_ttft, (name, "shadow")), {})
-        return found
-
-    def pick(self, m: RouterMetrics, name: str, replica: str) -> tuple:
-        """The key of `name` picking `replica`, made and kept."""
-        picks = self.of(m, name)[3]
-        if len(picks) >= self.MAX_PICK_KEYS:
-            picks.clear()
-        key = picks[replica] = (m.shadow_picks, (replica, name))
-        return key
-
-    def live(self, m: RouterMetrics, policy: str) -> tuple:
-        """The predicted-TTFT key of the live policy named `policy`."""
-        key = self._live
-        if m is not self._metrics or not key or key[1][0] != policy:
-            if m is not self._metrics:
-                self._metrics, self._by_name = m, {}
-            key = self._live = (m.shadow_predicted_ttft, (policy, "live"))
-        return key
-
-
 class RoutingEngine:
     def __init__(
         self,
@@ -119,7 +78,6 @@ class RoutingEngine:
         self.shadow_sample = 1.0  # share of decisions the shadows are asked about (routing.shadow_sample)
         self._shadow_rng = random.Random(0)
         self._shadow_sampler = random.Random(1)  # its own stream: the shadows' draws stay as they were
-        self._shadow_keys = ShadowCountKeys()
         # Called with the replica and whether the request was served (not retried, moved or
         # failed) each time a request's slot is released (admission control re-decides waiting
         # requests then, and counts completions); None: nobody listens.
@@ -190,8 +148,7 @@ class RoutingEngine:
         predicted = {live: chosen}  # a pick already predicted is not costed again
         noted = []
         m = self.metrics
-        # Deferred counts (RouterMetrics.count), added to directly with keys made once per series.
-        counts = m.pending_counts() if m is not None and shadows else None
+        tallies = m.shadow_tallies if m is not None and shadows else None  # see metrics/shadow_tally.py
         for name, shadow in shadows:
             other = shadow.decide(snapshot, summary, self._shadow_rng)
             guess = None
@@ -200,18 +157,23 @@ class RoutingEngine:
                 if guess is None:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             noted.append((name, other, guess))
-            if counts is not None:
-                agree, disagree, ttft, picks = self._shadow_keys.of(m, name)  # type: ignore[arg-type]
-                key = agree if guess is not None and guess.replica == live else disagree
-                counts[key] = counts.get(key, 0.0) + 1.0
-                if guess is not None:
-                    key = picks.get(guess.replica) or self._shadow_keys.pick(m, name, guess.replica)  # type: ignore[arg-type]
-                    counts[key] = counts.get(key, 0.0) + 1.0
-                    if guess.ttft_s is not None:
-                        counts[ttft] = counts.get(ttft, 0.0) + guess.ttft_s
-        if counts is not None and chosen.ttft_s is not None:
-            key = self._shadow_keys.live(m, self.policy.name)  # type: ignore[arg-type]
-            counts[key] = counts.get(key, 0.0) + chosen.ttft_s
+            if tallies is not None:
+                tally = tallies.get(name) or m.shadow_tally(name)  # type: ignore[union-attr]
+                if guess is None:
+                    tally.disagrees += 1
+                    continue
+                picked = guess.replica
+                if picked == live:
+                    tally.agrees += 1
+                else:
+                    tally.disagrees += 1
+                picks = tally.picks
+                picks[picked] = picks.get(picked, 0) + 1
+                if guess.ttft_s is not None:
+                    tally.predicted_ttft_s += guess.ttft_s
+        if tallies is not None and chosen.ttft_s is not None:
+            sums, policy = m.live_predicted_ttft, self.policy.name  # type: ignore[union-attr]
+            sums[policy] = sums.get(policy, 0.0) + chosen.ttft_s
         healthy = snapshot.healthy_count
         if healthy is None:
             healthy = sum(r.healthy for r in snapshot.replicas)

@@ -70,6 +70,32 @@ def test_each_shadow_records_its_pick_and_prediction_on_the_same_snapshot() -> N
     p.done()
 
 
+def test_shadow_counts_land_once_and_leave_with_their_replica() -> None:
+    # Kept as plain tallies between collections: each collection moves them into the series
+    # once, and a replica that leaves takes the picks counted for it before it left.
+    engine = make_engine(Scripted(*[Decision(A, "scripted")] * 3), ("prefix-aware",))
+    blocks = tuple(range(40))
+    engine.index.record(B, blocks)
+    reg = engine.metrics.registry
+    picks = {"shadow": "prefix-aware", "replica": B}
+    for expected in (1, 2):
+        p = engine.place(RequestSummary("/v1/completions", prompt_tokens=40 * 64, prefix_blocks=blocks), None)
+        assert p is not None
+        p.done()
+        assert reg.get_sample_value("kvrouter_shadow_picks_total", picks) == expected
+        assert reg.get_sample_value("kvrouter_shadow_picks_total", picks) == expected  # collected twice
+    live = reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
+                                {"policy": "scripted", "role": "live"})
+    assert live is not None and live > 0
+    p = engine.place(RequestSummary("/v1/completions", prompt_tokens=40 * 64, prefix_blocks=blocks), None)
+    assert p is not None
+    p.done()
+    engine.metrics.forget_replica(B)  # before any collection saw the third pick
+    assert reg.get_sample_value("kvrouter_shadow_picks_total", picks) is None
+    assert reg.get_sample_value("kvrouter_shadow_decisions_total",
+                                {"shadow": "prefix-aware", "agrees": "false"}) == 3
+
+
 def test_no_shadows_no_notes() -> None:
     engine = make_engine(Scripted(Decision(A, "scripted")))
     p = engine.place(RequestSummary("/v1/completions", prompt_tokens=10), None)
