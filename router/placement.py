@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..policies.domain import Decision, Policy, RequestSummary, SessionView, Snapshot
 from ..policies.predict import Prediction
+from ..policies.slots import slot_setters
 from .usage import UsageReport
 
 if TYPE_CHECKING:
@@ -85,15 +86,28 @@ class HomeMove:
     home: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class DecisionNotes:
     """What a decision predicted (`chosen`) and, per shadow policy, its name, its decision (None:
     no replica) and that decision's prediction: for the decision log, tracing and shadow metrics."""
 
     policy: str
     chosen: Prediction
-    shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = ()
-    candidates: int = 0  # replicas the policy could choose from (healthy, not tried yet)
+    shadows: tuple[tuple[str, Decision | None, Prediction | None], ...]
+    candidates: int  # replicas the policy could choose from (healthy, not tried yet)
+
+    def __init__(self, policy: str, chosen: Prediction,
+                 shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = (),
+                 candidates: int = 0) -> None:
+        # Made for every decision noted: see `slot_setters`.
+        _set_policy(self, policy)
+        _set_chosen(self, chosen)
+        _set_shadows(self, shadows)
+        _set_candidates(self, candidates)
+
+
+_set_policy, _set_chosen, _set_shadows, _set_candidates = slot_setters(
+    DecisionNotes, "policy", "chosen", "shadows", "candidates")
 
 
 class Placement:
