@@ -97,3 +97,23 @@ def test_random_spreads():
     rng = random.Random(3)
     counts = Counter(policy.decide(snap(4), RequestSummary("/x"), rng).replica for _ in range(400))
     assert len(counts) == 4 and min(counts.values()) > 60
+
+
+def test_prefix_aware_best_holders_match_a_scan_of_the_candidates():
+    # The longest usable match above the threshold, ties in snapshot order: what a plain scan of
+    # the candidates finds, whichever shortcut finds it (unusable, excluded and tied holders too).
+    policy = build_policy("prefix-aware")
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        views = tuple(ReplicaView(f"r{i}", healthy=rng.random() > 0.15) for i in range(n))
+        snapshot = Snapshot(views)
+        holders = rng.sample(range(n), rng.randint(1, n))
+        cached = {f"r{i}": rng.choice((10, 40, 80, 80, 100, rng.randint(0, 100))) for i in holders}
+        exclude = frozenset(f"r{i}" for i in range(n) if rng.random() < 0.1)
+        request = RequestSummary("/x", prompt_tokens=100, cached_tokens=cached, exclude=exclude)
+        floor = 0.3 * 100
+        usable = [v.id for v in views if v.healthy and v.id not in exclude and cached.get(v.id, 0) > floor]
+        best = max((cached[r] for r in usable), default=None)
+        expected = [r for r in usable if cached[r] == best]
+        assert policy._best_holders(snapshot, request) == expected
