@@ -33,7 +33,7 @@ from pathlib import Path
 
 from dp_scenarios import pct  # benchmarks/ is on sys.path: this runs as a script
 from placement import build, random_prompt
-from portable import machine_facts
+from portable import code_version, machine_facts, portable, portable_command
 
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.domain import RequestSummary
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     rows = []
+    code = code_version()
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     print("| primary | shadow | overhead p50 us | new sessions | returning | overhead p99 us | notes alone p50 us |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -117,8 +118,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['shadow_overhead_p50_us_returning_sessions']:.1f} | {row['shadow_overhead_p99_us']:.1f} | "
               f"{row['notes_without_shadow_p50_us']:.1f} |", flush=True)
     if args.json:
-        out = {"replicas": args.replicas, "decisions": args.decisions, "repeats": args.repeats,
-               **machine_facts(load_before), "rows": rows}
+        # Every option spelled out, as run from the repository's root whatever the working directory was.
+        command = ["python", "benchmarks/shadow.py", "--replicas", str(args.replicas), "--pairs", args.pairs,
+                   "--decisions", str(args.decisions), "--repeats", str(args.repeats),
+                   "--json", portable(str(Path(args.json).resolve()))]
+        out = {"command": portable_command(command), "code": code, "replicas": args.replicas,
+               "decisions": args.decisions, "repeats": args.repeats, **machine_facts(load_before), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
