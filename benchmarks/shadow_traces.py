@@ -17,8 +17,14 @@ young collection that falls there scans the simulator's own young objects (its r
 pages and events), which a router does not have, and lands on whichever allocation crosses the
 threshold. The allocations still count, so collections run soon after, untimed.
 
+One process's figures move run to run by more than the differences worth measuring (its hash
+seed lays out every dict differently, and with it what is cold when). `--runs N` measures each
+pair in N fresh interpreters, one at a time and the pairs in turn, and reports every run and,
+per pair, the mean, lowest and highest over them.
+
     python benchmarks/shadow_traces.py [--pairs consistent-hash:coding-agent,...] [--copies 8]
-        [--stagger-s 2] [--duration-s 3600] [--keep-gc] [--json docs/benchmarks-shadow-traces.json]
+        [--stagger-s 2] [--duration-s 3600] [--keep-gc] [--runs 1]
+        [--json docs/benchmarks-shadow-traces.json]
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -106,6 +114,32 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
                                for rule, picked in sorted(by_rule.items(), key=lambda kv: -len(kv[1]))}}
 
 
+def measure_fresh(pair: str, args: argparse.Namespace) -> dict[str, object]:
+    """`measure` of one `primary:shadow` pair in a fresh interpreter (its own hash seed and heap)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *_options(args, pair), "--json", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
+        row: dict[str, object] = json.loads(out.read_text())["rows"][0]
+        return row
+
+
+def _options(args: argparse.Namespace, pairs: str) -> list[str]:
+    """Every option of one measurement spelled out (not --runs, not --json)."""
+    return ["--pairs", pairs, "--copies", str(args.copies), "--stagger-s", f"{args.stagger_s:g}",
+            "--duration-s", f"{args.duration_s:g}", *(["--keep-gc"] if args.keep_gc else [])]
+
+
+def spread(rows: list[dict[str, object]]) -> dict[str, object]:
+    """Per figure of one pair's runs: each run's value, and their mean, lowest and highest."""
+    out: dict[str, object] = {"runs": len(rows)}
+    for key in ("overhead_mean_us", "overhead_p50_us", "notes_without_shadow_mean_us"):
+        values = [float(r[key]) for r in rows]  # type: ignore[arg-type]
+        out[key] = {"each": values, "mean": round(statistics.fmean(values), 2), "min": min(values),
+                    "max": max(values)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", default=",".join(f"{p}:{s}" for p, s in PAIRS),
@@ -114,30 +148,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stagger-s", type=float, default=2.0, help="between top-level sessions' starts")
     ap.add_argument("--duration-s", type=float, default=3600.0, help="simulated time")
     ap.add_argument("--keep-gc", action="store_true", help="leave the garbage collector on while timing")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="above 1: each pair measured in this many fresh interpreters, in turn")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
     code = code_version()
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
+    pairs = args.pairs.split(",")
     rows = []
-    print("| primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us "
+    print("| run | primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us "
           "| by the shadow's rule: decisions, mean us |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    for pair in args.pairs.split(","):
-        primary, shadow = pair.split(":")
-        row = measure(primary, shadow, args.copies, args.stagger_s, args.duration_s, args.keep_gc)
-        rows.append(row)
-        rules = "; ".join(f"{rule} {r['decisions']}, {r['overhead_mean_us']:.1f}"
-                          for rule, r in row["by_shadow_rule"].items())  # type: ignore[union-attr]
-        print(f"| {primary} | {shadow} | {row['decisions']} | {row['overhead_mean_us']:.1f} | "
-              f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for run in range(1, args.runs + 1):
+        for pair in pairs:
+            if args.runs == 1:
+                primary, shadow = pair.split(":")
+                row = measure(primary, shadow, args.copies, args.stagger_s, args.duration_s, args.keep_gc)
+            else:
+                row = {"run": run, **measure_fresh(pair, args)}
+            rows.append(row)
+            rules = "; ".join(f"{rule} {r['decisions']}, {r['overhead_mean_us']:.1f}"
+                              for rule, r in row["by_shadow_rule"].items())  # type: ignore[union-attr]
+            print(f"| {run} | {row['primary']} | {row['shadow']} | {row['decisions']} | {row['overhead_mean_us']:.1f} | "
+                  f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
+    by_pair = []
+    if args.runs > 1:
+        print("\n| primary | shadow | runs | overhead mean us: mean (lowest-highest) | overhead p50 us: mean (lowest-highest) |")
+        print("|---|---|---:|---|---|")
+        for pair in pairs:
+            primary, shadow = pair.split(":")
+            summary = spread([r for r in rows if (r["primary"], r["shadow"]) == (primary, shadow)])
+            by_pair.append({"primary": primary, "shadow": shadow, **summary})
+            mean, p50 = summary["overhead_mean_us"], summary["overhead_p50_us"]
+            print(f"| {primary} | {shadow} | {args.runs} | {mean['mean']:.1f} ({mean['min']:.1f}-{mean['max']:.1f}) | "  # type: ignore[index]
+                  f"{p50['mean']:.1f} ({p50['min']:.1f}-{p50['max']:.1f}) |")  # type: ignore[index]
     if args.json:
         # Every option spelled out, as run from the repository's root whatever the working directory was.
-        command = ["python", "benchmarks/shadow_traces.py", "--pairs", args.pairs, "--copies", str(args.copies),
-                   "--stagger-s", f"{args.stagger_s:g}", "--duration-s", f"{args.duration_s:g}",
-                   *(["--keep-gc"] if args.keep_gc else []), "--json", portable(str(Path(args.json).resolve()))]
+        command = ["python", "benchmarks/shadow_traces.py", *_options(args, args.pairs),
+                   *(["--runs", str(args.runs)] if args.runs > 1 else []),
+                   "--json", portable(str(Path(args.json).resolve()))]
         out = {"command": portable_command(command), "code": code,
                "replicas": REPLICAS, "copies": args.copies, "stagger_s": args.stagger_s,
-               "gc_paused_while_timed": not args.keep_gc, **machine_facts(load_before), "rows": rows}
+               "gc_paused_while_timed": not args.keep_gc, "runs": args.runs, **machine_facts(load_before),
+               "rows": rows, **({"by_pair": by_pair} if by_pair else {})}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -28,3 +28,20 @@ def test_short_replay_times_every_decision_and_writes_the_rows(tmp_path: Path, m
     assert sum(r["decisions"] for r in rules.values()) == row["decisions"]
     assert "affinity" in rules  # returning turns go home
     assert all(r["notes_without_shadow_mean_us"] > 0 for r in rules.values())
+
+
+def test_runs_measure_each_pair_in_fresh_interpreters_and_summarise_them(tmp_path: Path, monkeypatch) -> None:
+    bench = load_benchmark("shadow_traces")
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--pairs", "consistent-hash:coding-agent", "--copies", "1", "--duration-s", "60",
+                       "--runs", "2", "--json", "runs.json"]) == 0
+    saved = json.loads((tmp_path / "runs.json").read_text())
+    assert saved["command"] == ("python benchmarks/shadow_traces.py --pairs consistent-hash:coding-agent --copies 1 "
+                                "--stagger-s 2 --duration-s 60 --runs 2 --json runs.json")
+    assert saved["runs"] == 2 and [r["run"] for r in saved["rows"]] == [1, 2]
+    assert {r["decisions"] for r in saved["rows"]} == {saved["rows"][0]["decisions"]}  # the same replay
+    (pair,) = saved["by_pair"]
+    assert (pair["primary"], pair["shadow"], pair["runs"]) == ("consistent-hash", "coding-agent", 2)
+    means = pair["overhead_mean_us"]
+    assert means["each"] == [r["overhead_mean_us"] for r in saved["rows"]]
+    assert means["min"] <= means["mean"] <= means["max"]
