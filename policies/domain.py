@@ -222,7 +222,8 @@ class Snapshot:
         return next((r for r in self.replicas if r.id == replica_id), None)
 
     def usable(self, replica_id: str, request: RequestSummary) -> ReplicaView | None:
-        view = self.get(replica_id)
+        by_id = self.by_id  # `self.get`, without its call: every policy asks this of every decision
+        view = by_id.get(replica_id) if by_id is not None else self.get(replica_id)
         if view is None or not view.healthy or replica_id in request.exclude:
             return None
         return view

@@ -72,7 +72,9 @@ class HighWater:
     max_token_usage: float  # SGLang token_usage
 
     def overloaded(self, r: ReplicaView) -> bool:
-        return self.over_request_marks(r) or (r.token_usage or 0.0) > self.max_token_usage
+        # `over_request_marks` inlined: asked of a session's home on every decision.
+        return (r.load >= self.max_running or (r.num_queue_reqs or 0) > self.max_queue
+                or (r.token_usage or 0.0) > self.max_token_usage)
 
     def over_request_marks(self, r: ReplicaView) -> bool:
         """Above the running+queued or the queue mark (the marks other than token_usage)."""
