@@ -118,16 +118,24 @@ def measure_fresh(pair: str, args: argparse.Namespace) -> dict[str, object]:
     """`measure` of one `primary:shadow` pair in a fresh interpreter (its own hash seed and heap)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # each run its own seed
         subprocess.run([sys.executable, str(Path(__file__).resolve()), *_options(args, pair), "--json", str(out)],
-                       check=True, stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, env=env)
         row: dict[str, object] = json.loads(out.read_text())["rows"][0]
         return row
 
 
 def _options(args: argparse.Namespace, pairs: str) -> list[str]:
-    """Every option of one measurement spelled out (not --runs, not --json)."""
-    return ["--pairs", pairs, "--copies", str(args.copies), "--stagger-s", f"{args.stagger_s:g}",
-            "--duration-s", f"{args.duration_s:g}", *(["--keep-gc"] if args.keep_gc else [])]
+    """Every option of one measurement spelled out (not --runs, not --json): what the saved
+    command says and what each fresh interpreter of `--runs` is given."""
+    return ["--pairs", pairs, "--copies", str(args.copies), "--stagger-s", _number(args.stagger_s),
+            "--duration-s", _number(args.duration_s), *(["--keep-gc"] if args.keep_gc else [])]
+
+
+def _number(x: float) -> str:
+    """`x` short (2, not 2.0) where that reads back as the same float, else in full."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
 
 
 def spread(rows: list[dict[str, object]]) -> dict[str, object]:
@@ -157,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     code = code_version()
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     pairs = args.pairs.split(",")
+    for pair in pairs:  # before anything is measured, not in a run's interpreter halfway through
+        names = pair.split(":")
+        if len(names) != 2:
+            ap.error(f"--pairs: {pair!r} is not primary:shadow")
+        for name in names:
+            try:
+                build_policy(name)
+            except (KeyError, ValueError) as err:  # unknown policy or preset: the registry says which
+                ap.error(f"--pairs: {name!r}: {err}")
     rows = []
     print("| run | primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us "
           "| by the shadow's rule: decisions, mean us |")

@@ -302,7 +302,7 @@ class RouterMetrics:
             "Decision-log lines dropped because the writer thread's queue was full.",
             registry=r,
         )
-        # Counted on every decision by each shadow policy, through `shadow_tally` (deferred).
+        # Counted on every decision by each shadow policy, through `new_shadow_tally`'s tallies (deferred).
         self.shadow_decisions = Counter(
             "kvrouter_shadow_decisions_total",
             "Decisions a shadow policy (routing.shadow) was asked for, by whether it picked the "
@@ -364,9 +364,9 @@ class RouterMetrics:
         if at < len(bounds) and amount <= bounds[at]:  # (NaN lands in none, as there)
             totals[at + 1] += 1
 
-    def shadow_tally(self, name: str) -> ShadowTally:
-        """The tally the shadow policy `name` adds to until the next collection (look it up in
-        `shadow_tallies` first: this makes it)."""
+    def new_shadow_tally(self, name: str) -> ShadowTally:
+        """A new tally for the shadow policy `name` to add to until the next collection (when
+        `shadow_tallies` has none for it yet)."""
         tally = self.shadow_tallies[name] = ShadowTally()
         return tally
 
@@ -382,7 +382,7 @@ class RouterMetrics:
                 count(self.shadow_decisions, (name, "false"), tally.disagrees)
             for replica, n in tally.picks.items():
                 count(self.shadow_picks, (replica, name), n)
-            if tally.picks:
+            if tally.predicted_ttft_s is not None:
                 count(self.shadow_predicted_ttft, (name, "shadow"), tally.predicted_ttft_s)
         for policy, total in live.items():
             count(self.shadow_predicted_ttft, (policy, "live"), total)

@@ -19,5 +19,5 @@ class ShadowTally:
     def __init__(self) -> None:
         self.agrees = 0
         self.disagrees = 0
-        self.predicted_ttft_s = 0.0  # sum over its picks that are in the snapshot
+        self.predicted_ttft_s: float | None = None  # sum over its picks in the snapshot (None: none yet)
         self.picks: dict[str, int] = {}  # replica -> decisions it would have sent there

@@ -158,7 +158,7 @@ class RoutingEngine:
                     guess = predicted[other.replica] = predict(snapshot, summary, other.replica)
             noted.append((name, other, guess))
             if tallies is not None:
-                tally = tallies.get(name) or m.shadow_tally(name)  # type: ignore[union-attr]
+                tally = tallies.get(name) or m.new_shadow_tally(name)  # type: ignore[union-attr]
                 if guess is None:
                     tally.disagrees += 1
                     continue
@@ -170,7 +170,7 @@ class RoutingEngine:
                 picks = tally.picks
                 picks[picked] = picks.get(picked, 0) + 1
                 if guess.ttft_s is not None:
-                    tally.predicted_ttft_s += guess.ttft_s
+                    tally.predicted_ttft_s = (tally.predicted_ttft_s or 0.0) + guess.ttft_s
         if tallies is not None and chosen.ttft_s is not None:
             sums, policy = m.live_predicted_ttft, self.policy.name  # type: ignore[union-attr]
             sums[policy] = sums.get(policy, 0.0) + chosen.ttft_s

@@ -93,8 +93,8 @@ class DecisionNotes:
 
     policy: str
     chosen: Prediction
-    shadows: tuple[tuple[str, Decision | None, Prediction | None], ...]
-    candidates: int  # replicas the policy could choose from (healthy, not tried yet)
+    shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = ()
+    candidates: int = 0  # replicas the policy could choose from (healthy, not tried yet)
 
     def __init__(self, policy: str, chosen: Prediction,
                  shadows: tuple[tuple[str, Decision | None, Prediction | None], ...] = (),

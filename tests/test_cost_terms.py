@@ -289,3 +289,23 @@ def test_the_near_tie_pick_is_its_plain_definition() -> None:
             continue
         assert fast is plain(tolerance, abs_s, views, scores, plain_rng)
         assert fast_rng.random() == plain_rng.random()  # the same draws
+
+
+def test_decision_notes_behave_as_a_generated_frozen_dataclass() -> None:
+    # Made through its slots' setters (one per decision noted): defaults, equality, replace,
+    # pickling and the frozen guard as the generated __init__ gave them.
+    import pickle
+
+    from kvrouter.router.placement import DecisionNotes
+
+    chosen = Prediction("http://a", 7, 0.25)
+    notes = DecisionNotes("coding_agent", chosen)
+    assert (notes.shadows, notes.candidates) == ((), 0)
+    full = DecisionNotes("coding_agent", chosen, (("consistent-hash", None, None),), 3)
+    assert dataclasses.replace(notes, shadows=(("consistent-hash", None, None),), candidates=3) == full
+    assert pickle.loads(pickle.dumps(full)) == full and hash(full) == hash(pickle.loads(pickle.dumps(full)))
+    assert [f.default for f in dataclasses.fields(DecisionNotes)][2:] == [(), 0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        notes.candidates = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        DecisionNotes("coding_agent")  # type: ignore[call-arg]

@@ -104,15 +104,18 @@ def test_prefix_aware_best_holders_match_a_scan_of_the_candidates():
     # the candidates finds, whichever shortcut finds it (unusable, excluded and tied holders too).
     policy = build_policy("prefix-aware")
     rng = random.Random(7)
-    for _ in range(3000):
+    for i in range(3000):
         n = rng.randint(1, 12)
         views = tuple(ReplicaView(f"r{i}", healthy=rng.random() > 0.15) for i in range(n))
-        snapshot = Snapshot(views)
+        # With the id index the registry builds, and without it (hand-built snapshots).
+        snapshot = Snapshot(views, by_id={v.id: v for v in views}) if i % 2 else Snapshot(views)
         holders = rng.sample(range(n), rng.randint(1, n))
         cached = {f"r{i}": rng.choice((10, 40, 80, 80, 100, rng.randint(0, 100))) for i in holders}
+        if rng.random() < 0.2:
+            cached["r-gone"] = 100  # a holder the snapshot no longer has
         exclude = frozenset(f"r{i}" for i in range(n) if rng.random() < 0.1)
         request = RequestSummary("/x", prompt_tokens=100, cached_tokens=cached, exclude=exclude)
-        floor = 0.3 * 100
+        floor = policy.params.cache_threshold * 100
         usable = [v.id for v in views if v.healthy and v.id not in exclude and cached.get(v.id, 0) > floor]
         best = max((cached[r] for r in usable), default=None)
         expected = [r for r in usable if cached[r] == best]

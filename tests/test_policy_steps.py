@@ -44,6 +44,8 @@ def req(prompt: int = 10_000, cached: dict[str, int] | None = None, **kw) -> Req
 def test_high_water_marks(view, over):
     assert MARKS.overloaded(view) is over
     assert MARKS([view]) == ([] if over else [view])
+    # The marks other than token_usage: over them exactly when over for another reason.
+    assert MARKS.over_request_marks(view) is (over and (view.token_usage or 0.0) <= MARKS.max_token_usage)
 
 
 def test_high_water_filter_keeps_order():

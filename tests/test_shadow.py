@@ -96,6 +96,22 @@ def test_shadow_counts_land_once_and_leave_with_their_replica() -> None:
                                 {"shadow": "prefix-aware", "agrees": "false"}) == 3
 
 
+def test_a_shadow_with_no_replica_counts_a_disagreement_and_nothing_else() -> None:
+    engine = make_engine(Scripted(*[Decision(A, "scripted")] * 2))
+    engine.shadows = (("nowhere", Scripted()),)  # decides None every time
+    for _ in range(2):
+        p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100), None)
+        assert p is not None and p.notes is not None
+        assert p.notes.shadows == (("nowhere", None, None),)
+        p.done()
+    reg = engine.metrics.registry
+    assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": "nowhere", "agrees": "false"}) == 2
+    assert reg.get_sample_value("kvrouter_shadow_decisions_total", {"shadow": "nowhere", "agrees": "true"}) is None
+    series = [s for metric in reg.collect() for s in metric.samples]
+    assert not [s for s in series if s.labels.get("shadow") == "nowhere" and s.name.startswith("kvrouter_shadow_picks")]
+    assert not [s for s in series if s.labels.get("policy") == "nowhere"]  # no predicted TTFT series either
+
+
 def test_no_shadows_no_notes() -> None:
     engine = make_engine(Scripted(Decision(A, "scripted")))
     p = engine.place(RequestSummary("/v1/completions", prompt_tokens=10), None)
@@ -153,8 +169,8 @@ def test_report_over_a_sampled_log_compares_each_shadow_over_the_lines_that_have
 
 
 def test_shadow_counts_follow_a_replaced_metrics_object_and_sum_every_prediction() -> None:
-    # The shadow metrics' count keys are made once and kept: a new RouterMetrics (a benchmark or
-    # a test swaps it) must get its own, and every decision's predictions must be summed.
+    # The shadow counts are tallies kept on the RouterMetrics: a new one (a benchmark or a test
+    # swaps it) starts its own, and every decision's predictions must be summed.
     engine = make_engine(build_policy("round-robin"), ("consistent-hash", "least-load"))
     first = placed(engine, 4)
     assert len(first) == 4

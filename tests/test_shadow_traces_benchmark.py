@@ -39,9 +39,17 @@ def test_runs_measure_each_pair_in_fresh_interpreters_and_summarise_them(tmp_pat
     assert saved["command"] == ("python benchmarks/shadow_traces.py --pairs consistent-hash:coding-agent --copies 1 "
                                 "--stagger-s 2 --duration-s 60 --runs 2 --json runs.json")
     assert saved["runs"] == 2 and [r["run"] for r in saved["rows"]] == [1, 2]
+    assert {r["simulated_s"] for r in saved["rows"]} == {60.0}  # the options reached each run
     assert {r["decisions"] for r in saved["rows"]} == {saved["rows"][0]["decisions"]}  # the same replay
     (pair,) = saved["by_pair"]
     assert (pair["primary"], pair["shadow"], pair["runs"]) == ("consistent-hash", "coding-agent", 2)
     means = pair["overhead_mean_us"]
     assert means["each"] == [r["overhead_mean_us"] for r in saved["rows"]]
     assert means["min"] <= means["mean"] <= means["max"]
+
+
+def test_numbers_given_to_each_run_read_back_as_the_same_float() -> None:
+    bench = load_benchmark("shadow_traces")
+    assert bench._number(2.0) == "2" and bench._number(3600.0) == "3600"
+    assert float(bench._number(1234567.0)) == 1234567.0  # `:g` alone would say 1.23457e+06
+    assert float(bench._number(0.1 + 0.2)) == 0.1 + 0.2
