@@ -28,7 +28,9 @@ class SimConfig:
     duration_s: float = 600.0
     seed: int = 0
     sessions: int | None = None  # concurrent sessions kept alive (closed loop); default 5 per replica
-    ramp_s: float = 60.0  # sessions start spread over this long
+    # Sessions start spread evenly over this long (model s), as the load driver's `ramp_s`; None:
+    # 60 s, or a quarter of `duration_s` if that is shorter.
+    ramp_s: float | None = None
     poll_interval_s: float = 0.25
     sample_interval_s: float = 5.0
     housekeeping_interval_s: float = 1.0
@@ -40,6 +42,15 @@ class SimConfig:
     # caches, as after a restart); requests starting before `warmup_s` are not measured.
     warm_start: bool = True
     warmup_s: float = 60.0
+    # How far into its life each session starts (with `warm_start`): False, a draw of the
+    # simulator's own, session after session (the saved results' traffic); True, the load
+    # driver's draw for that seed and session (`workload.warm_start_batch`), so session i of a seed
+    # starts where it does in `kvrouter compare` and `kvrouter demo`.
+    warm_start_as_driver: bool = False
+    # Replies end at an EOS drawn as `kvrouter sim-replica` draws it for a request without
+    # `ignore_eos` (lognormal of this median, capped by max_tokens), as in `kvrouter compare` and
+    # `kvrouter demo`; None: every reply is its turn's max_tokens long (the workload's length).
+    eos_median: int | None = None
     scale_events: tuple[ScaleEvent, ...] = ()
     # The router's shadow index tracks prefixes in blocks of this many tokens (Mooncake's block
     # size): match precision of 512 tokens on ~100k-token prompts, 8x less work than 64.

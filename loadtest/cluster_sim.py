@@ -23,6 +23,7 @@ Configuration and scale events: cluster_config.py; load samples and the result: 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -48,8 +49,9 @@ from .profiles import Profile, load_profile, scale_profile
 from .replica_model import Finished, FirstToken, ReplicaModel, RequestTooLarge, SimRequest
 from .report import RequestRecord
 from .segment_keys import SegmentKeyCache
+from .sim_replica import eos_length
 from .turn_request import TurnRequest
-from .workload import Session, make_session
+from .workload import Session, make_session, warm_start_batch
 from .workload_config import WorkloadConfig
 from .world import SignalDelay
 
@@ -134,8 +136,8 @@ class ClusterSimulator(SamplingMixin):
         world = config.world
         self.profile = scale_profile(nominal, speed=world.speed, capacity=world.capacity)
         self.stride = max(1, config.index_block_tokens // self.profile.page_size)
-        # The traffic's own draws (warm-start turns) come from the seed alone: every policy is
-        # measured on the same sessions, whatever its name.
+        # The traffic's own draws (warm-start turns, unless drawn as the load driver draws them)
+        # come from the seed alone: every policy is measured on the same sessions, whatever its name.
         self.rng = random.Random(f"sim:{config.seed}")
         self.registry = ReplicaRegistry(failure_threshold=config.failure_threshold)
         self.table = SessionTable(ttl_s=config.session_ttl_s)
@@ -225,13 +227,17 @@ class ClusterSimulator(SamplingMixin):
         if session is None:
             session = self.make_session(idx)
         self._sessions[idx] = session
-        batch = session.next_requests(None)
-        if initial and self.config.warm_start and session.n_turns > 1:
-            for _ in range(self.rng.randrange(session.n_turns)):
-                nxt = session.next_requests([r.expected_output_tokens for r in batch])
-                if not nxt:
-                    break
-                batch = nxt
+        if initial and self.config.warm_start and self.config.warm_start_as_driver:
+            # The load driver's draw: session i of a seed starts as in `kvrouter compare`.
+            batch = warm_start_batch(session, self.config.seed)
+        else:
+            batch = session.next_requests(None)
+            if initial and self.config.warm_start and session.n_turns > 1:
+                for _ in range(self.rng.randrange(session.n_turns)):
+                    nxt = session.next_requests([r.expected_output_tokens for r in batch])
+                    if not nxt:
+                        break
+                    batch = nxt
         self._launch(idx, batch, at)
 
     def _turn(self, idx: int, replies: list[int | None]) -> None:
@@ -261,6 +267,8 @@ class ClusterSimulator(SamplingMixin):
         """The request as the router sees it (its summary), its client-side record, and its
         session acquired in the affinity store (ended by `_start` or `_finish`)."""
         session = self._sessions[idx]
+        if self.config.eos_median is not None:  # the reply stops at EOS, max_tokens stays the cap
+            req = dataclasses.replace(req, expected_output_tokens=self._eos_output(req))
         reply = session.reply_segment(req, req.expected_output_tokens)
         keys = self.keys.keys(session.session_id, req.segments + (reply,))
         prompt = req.prompt_tokens
@@ -274,6 +282,12 @@ class ClusterSimulator(SamplingMixin):
                                turn_index=req.turn_index, branch_index=req.branch_index, is_edit=req.is_edit)
         view = self.affinity.acquire(session.session_id)
         return _Pending(idx, req, summary, view, keys, record)
+
+    def _eos_output(self, req: TurnRequest) -> int:
+        """The reply's length when it ends at EOS: drawn from the seed and the request alone, so
+        every policy gets the same replies."""
+        rng = random.Random(f"{self.config.seed}:eos:{req.session_id}:{req.turn_index}:{req.branch_index}")
+        return min(req.expected_output_tokens, eos_length(rng, self.config.eos_median or 1))
 
     def _start(self, pending: _Pending, placement: Placement | None, error: str = "no replica") -> None:
         """Send the request where `placement` reserved it a slot (None: answer it with `error`)."""
@@ -448,7 +462,7 @@ class ClusterSimulator(SamplingMixin):
     def _run(self) -> dict[str, Any]:
         cfg = self.config
         n_sessions = cfg.sessions if cfg.sessions is not None else 5 * cfg.replicas
-        ramp = min(cfg.ramp_s, cfg.duration_s / 4)
+        ramp = min(60.0, cfg.duration_s / 4) if cfg.ramp_s is None else cfg.ramp_s
         if self.arrivals is not None:
             for at, session in self.arrivals:
                 if at < cfg.duration_s:

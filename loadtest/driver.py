@@ -49,7 +49,7 @@ from kvrouter.loadtest.progress import ProgressFn, StderrProgress
 from kvrouter.loadtest.replica_load_sampler import metrics_url, sample_loads
 from kvrouter.loadtest.report import RequestRecord, build_report, summarize_requests
 from kvrouter.loadtest.turn_request import TurnRequest
-from kvrouter.loadtest.workload import Session, make_session
+from kvrouter.loadtest.workload import Session, make_session, warm_start_batch
 from kvrouter.loadtest.workload_config import WorkloadConfig, load_workload
 from kvrouter.router.relay import REPLICA_HEADER  # the router names the serving replica in it
 
@@ -120,15 +120,9 @@ class _Run:
 
     def fast_forward(self, session: Session) -> list[TurnRequest]:
         """Warm start: skip a random number of turns (replies of the expected length, nothing sent),
-        so the session starts mid-life with a steady-state context; returns its first batch."""
-        rng = random.Random(f"{self.seed}:warm:{session.session_id}")
-        batch = session.next_requests(None)
-        for _ in range(rng.randrange(max(1, session.n_turns))):
-            nxt = session.next_requests([r.expected_output_tokens for r in batch])
-            if not nxt:
-                break
-            batch = nxt
-        return batch
+        so the session starts mid-life with a steady-state context; returns its first batch.
+        The same turn as the cluster simulator's session of that seed and index."""
+        return warm_start_batch(session, self.seed)
 
     async def arrival_loop(self, rate_per_model_s: float) -> None:
         rng = random.Random(f"{self.seed}:arrivals")

@@ -65,6 +65,15 @@ class SimError(Exception):
         self.status = status
 
 
+EOS_LENGTH_SIGMA = 0.75  # spread (log space) of a reply's length when it ends at EOS
+
+
+def eos_length(rng: random.Random, median: int) -> int:
+    """Where a reply without ``ignore_eos`` ends: a lognormal draw of ``median`` tokens (before the
+    ``max_tokens`` cap). Also the cluster simulator's ``eos_median`` (cluster_config.py)."""
+    return max(1, int(round(rng.lognormvariate(math.log(median), EOS_LENGTH_SIGMA))))
+
+
 @dataclass(eq=False)
 class SimReq:
     rid: str
@@ -312,8 +321,7 @@ class SimReplica:
         cap = max(1, cap)
         if ignore_eos:
             return cap, "length"
-        rng = random.Random(self._seed_for(rid))
-        draw = max(1, int(round(rng.lognormvariate(math.log(self.output_len_median), 0.75))))
+        draw = eos_length(random.Random(self._seed_for(rid)), self.output_len_median)
         if draw >= cap:
             return cap, "length"
         return draw, "stop"

@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         replicas=args.replicas, profile=args.profile, duration_s=args.duration, seed=args.seed,
         sessions=args.sessions, poll_interval_s=args.poll_interval, warmup_s=args.warmup,
         warm_start=not args.cold_start, scale_events=scale, page_tokens=args.page_tokens,
+        ramp_s=args.ramp, eos_median=args.eos_median, warm_start_as_driver=args.warm_start_as_driver,
     )
     arrivals_for = None
     if args.trace:
@@ -182,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup, "warm_start": not args.cold_start, "page_tokens": args.page_tokens,
         "scale": [e.__dict__ | {"remove": list(e.remove)} for e in scale],
     }
+    if args.ramp is not None:  # JSON without --ramp / --eos-median stays as it always was
+        workload_info["ramp_s"] = args.ramp
+    if args.eos_median is not None:
+        workload_info["eos_median"] = args.eos_median
+    if args.warm_start_as_driver:
+        workload_info["warm_start_as_driver"] = True
     if layout == "pd":  # colocated JSON stays as it always was
         workload_info["layout"] = layout
         workload_info["decode_servers"] = split_fleet(args.replicas, args.decode_servers)[1]
@@ -214,6 +221,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--scale", action="append", help="scale event T:+K | T:-K | T:-name,name")
     p.add_argument("--poll-interval", type=float, default=0.25, help="signal poll interval (s)")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds not measured at the start")
+    p.add_argument("--ramp", type=float, help="model seconds over which the sessions start, evenly "
+                   "(as kvrouter compare's --ramp; default 60, or a quarter of --duration if shorter)")
+    p.add_argument("--eos-median", type=int,
+                   help="replies end at an EOS drawn as kvrouter sim-replica draws it without ignore_eos "
+                        "(lognormal of this median, capped by max_tokens; 256 in kvrouter compare and "
+                        "demo); default: every reply is its max_tokens long")
+    p.add_argument("--warm-start-as-driver", action="store_true",
+                   help="start each session at the turn kvrouter compare's and demo's load driver starts it "
+                        "for the same seed (default: the simulator's own draw); with --ramp and "
+                        "--eos-median, the same traffic as a live run of that seed")
     p.add_argument("--cold-start", action="store_true",
                    help="sessions start at turn 1 instead of a random point of their life")
     p.add_argument("--page-tokens", type=int,

@@ -38,7 +38,7 @@ from typing import Sequence
 from .turn_request import ReplyLike, Segment, TurnRequest, reply_as_segment
 from .workload_config import WorkloadConfig
 
-__all__ = ["Session", "make_session", "summarize", "quantile"]
+__all__ = ["Session", "make_session", "warm_start_batch", "summarize", "quantile"]
 
 
 class Session:
@@ -177,6 +177,21 @@ class Session:
 def make_session(config: WorkloadConfig, seed: int, index: int) -> Session:
     """Session ``index`` of a run: its own generator, so it does not depend on run order."""
     return Session(config, random.Random(f"{seed}:{index}"), f"{config.name}-{seed}-{index:06d}")
+
+
+def warm_start_batch(session: Session, seed: int) -> list[TurnRequest]:
+    """Warm start: skip a random number of ``session``'s turns (replies of the expected length,
+    nothing sent), so it starts mid-life with a steady-state context; returns its first batch to
+    send. The number skipped comes from the seed and the session id alone, so the load driver and
+    the cluster simulator start session ``i`` of a seed at the same turn."""
+    rng = random.Random(f"{seed}:warm:{session.session_id}")
+    batch = session.next_requests(None)
+    for _ in range(rng.randrange(max(1, session.n_turns))):
+        nxt = session.next_requests([r.expected_output_tokens for r in batch])
+        if not nxt:
+            break
+        batch = nxt
+    return batch
 
 
 # --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvrouter.loadtest.cluster_sim import ClusterSimulator, ScaleEvent, SimConfig
 from kvrouter.loadtest.report import RESULT_KEYS
+from kvrouter.loadtest.workload import make_session, warm_start_batch
 from kvrouter.loadtest.workload_config import load_workload
 
 WL = load_workload("coding-agent")
@@ -76,10 +77,10 @@ def test_killed_replica_sessions_rehome_and_failures_are_counted():
     assert result["decisions"].get("rehome", 0) > 0
 
 
-def _first_turns(policy: str) -> dict[str, tuple[int, int]]:
+def _first_turns(policy: str, **kw) -> dict[str, tuple[int, int]]:
     """Each of the 8 warm-started sessions' first request in the run: (turn index, prompt
     tokens). Sessions started later, as others end, are left out."""
-    sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=60.0, seed=4, warmup_s=0), policy, WL)
+    sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=60.0, seed=4, warmup_s=0, **kw), policy, WL)
     sim.run()
     first: dict[str, tuple[float, int, int]] = {}
     for r in sim.records:
@@ -98,3 +99,59 @@ def test_every_policy_gets_the_same_warm_start():
     assert any(turn > 0 for turn, _ in turns.values())  # the warm start did skip turns
     assert _first_turns("consistent-hash") == turns
     assert _first_turns("coding_agent") == turns
+
+
+def test_warm_start_as_driver_is_the_load_drivers():
+    """`warm_start_as_driver`: session i of a seed starts at the same turn in the simulator as in
+    `kvrouter compare`'s driver (driver.py `fast_forward`): the same seed is the same traffic."""
+    turns = _first_turns("round-robin", warm_start_as_driver=True)
+    assert turns != _first_turns("round-robin")  # the simulator's own draw, by default
+    for i in range(8):
+        session = make_session(WL, 4, i)
+        batch = warm_start_batch(session, 4)
+        turn, prompt = turns[session.session_id]  # one of the batch's branches
+        assert turn == batch[0].turn_index and prompt in {r.prompt_tokens for r in batch}
+
+
+def test_ramp_spreads_the_session_starts_over_that_long():
+    def starts(**kw) -> list[float]:
+        sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=100.0, seed=4, warmup_s=0, **kw),
+                               "round-robin", WL)
+        sim.run()
+        first: dict[str, float] = {}
+        for r in sim.records:
+            if int(r.session_id.rsplit("-", 1)[1]) < 8:
+                first[r.session_id] = min(r.start_s, first.get(r.session_id, r.start_s))
+        return sorted(first.values())
+
+    assert starts() == [25.0 * i / 8 for i in range(8)]  # default: a quarter of the duration
+    assert starts(ramp_s=60.0) == [60.0 * i / 8 for i in range(8)]  # as compare's --ramp
+
+
+def test_eos_median_ends_replies_as_sim_replicas_do_without_ignore_eos():
+    """`eos_median`: each reply stops at a drawn EOS (never past max_tokens), the same for every
+    policy; without it every reply is its max_tokens long."""
+    def completions(policy: str, **kw) -> dict[tuple[str, int, int], tuple[int, int]]:
+        sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=120.0, seed=4, warmup_s=0, **kw),
+                               policy, WL)
+        max_tokens: dict[tuple[str, int, int], int] = {}
+        real_prepare = sim._prepare
+
+        def prepare(idx, req):
+            max_tokens[(req.session_id, req.turn_index, req.branch_index)] = req.max_tokens
+            return real_prepare(idx, req)
+
+        sim._prepare = prepare  # type: ignore[method-assign]
+        sim.run()
+        return {(r.session_id, r.turn_index, r.branch_index):
+                (r.completion_tokens, max_tokens[(r.session_id, r.turn_index, r.branch_index)])
+                for r in sim.records if r.ok}
+
+    full = completions("round-robin")
+    assert full and all(done == cap for done, cap in full.values())
+    cut = completions("round-robin", eos_median=64)
+    assert all(1 <= done <= cap for done, cap in cut.values())
+    assert sum(done < cap for done, cap in cut.values()) > len(cut) / 2
+    assert completions("consistent-hash", eos_median=64).keys() & cut.keys()
+    same = completions("consistent-hash", eos_median=64)
+    assert all(same[k] == cut[k] for k in same.keys() & cut.keys())
