@@ -57,6 +57,7 @@ from .world import SignalDelay
 
 ROUTE = "/v1/chat/completions"
 _SCALE, _WAKE, _POLL, _SIGNAL, _HOUSE, _SAMPLE, _ARRIVE, _REQUEST = range(8)
+_USER = 8  # a closed-loop user's first session, at its ramp time (`warm_start_as_driver`)
 
 
 @dataclass(slots=True)
@@ -467,6 +468,11 @@ class ClusterSimulator(SamplingMixin):
             for at, session in self.arrivals:
                 if at < cfg.duration_s:
                     self._push(at, _ARRIVE, session)
+        elif cfg.warm_start_as_driver:
+            # As the load driver does: each user's first session is made when the user starts,
+            # so a session that ends during the ramp gives its replacement the next index first.
+            for i in range(n_sessions):
+                self._push(ramp * i / max(1, n_sessions), _USER, None)
         else:
             for i in range(n_sessions):
                 self._start_session(ramp * i / max(1, n_sessions), initial=True)
@@ -507,6 +513,8 @@ class ClusterSimulator(SamplingMixin):
                 self._scale(payload)
             elif kind == _ARRIVE:
                 self._start_session(at, session=payload)
+            elif kind == _USER:
+                self._start_session(at, initial=True)
         for rid, flight in list(self._flights.items()):
             flight.record.error = "unfinished at end of drain"
             self._finish(rid, flight, ok=False)

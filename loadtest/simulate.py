@@ -139,6 +139,17 @@ def make_simulator(layout: str, args: argparse.Namespace, config: SimConfig, pol
     return ClusterSimulator(config, policy, workload, arrivals=arrivals)
 
 
+def traffic_problem(args: argparse.Namespace) -> str | None:
+    """Why the options shaping the synthetic traffic cannot be run as given, if they cannot."""
+    if args.ramp is not None and args.ramp < 0:
+        return "--ramp must be >= 0"
+    if args.eos_median is not None and args.eos_median < 1:
+        return "--eos-median must be >= 1 (tokens)"
+    if args.warm_start_as_driver and (args.cold_start or args.trace):
+        return "--warm-start-as-driver draws where synthetic sessions start warm: not with --cold-start or --trace"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         worlds = [parse_world(spec) for spec in args.world_perturb or ()]
@@ -148,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     scale = tuple(parse_scale(s, args.replicas) for s in args.scale or ())
     layout = getattr(args, "layout", "colocated")
-    problem = layout_problem(args, layout, scale)
+    problem = layout_problem(args, layout, scale) or traffic_problem(args)
     if problem:
         print(f"kvrouter simulate: {problem}", file=sys.stderr)
         return 2

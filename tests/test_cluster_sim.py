@@ -152,6 +152,28 @@ def test_eos_median_ends_replies_as_sim_replicas_do_without_ignore_eos():
     cut = completions("round-robin", eos_median=64)
     assert all(1 <= done <= cap for done, cap in cut.values())
     assert sum(done < cap for done, cap in cut.values()) > len(cut) / 2
-    assert completions("consistent-hash", eos_median=64).keys() & cut.keys()
     same = completions("consistent-hash", eos_median=64)
+    assert same.keys() & cut.keys()
     assert all(same[k] == cut[k] for k in same.keys() & cut.keys())
+
+
+def test_bad_traffic_options_are_one_line():
+    for extra, message in ((["--ramp", "-1"], "--ramp"), (["--eos-median", "0"], "--eos-median"),
+                           (["--warm-start-as-driver", "--cold-start"], "--warm-start-as-driver")):
+        proc = subprocess.run([sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", "2",
+                               "--duration", "10", *extra], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_warm_start_as_driver_numbers_sessions_in_the_order_they_start():
+    # As the load driver does: a session that ends during the ramp hands the next index to its
+    # replacement before the users still to start get theirs.
+    sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=400.0, seed=4, warmup_s=0,
+                                     ramp_s=300.0, warm_start_as_driver=True), "round-robin", WL)
+    sim.run()
+    first: dict[int, float] = {}
+    for r in sim.records:
+        idx = int(r.session_id.rsplit("-", 1)[1])
+        first[idx] = min(r.start_s, first.get(idx, r.start_s))
+    starts = [first[i] for i in sorted(first)]
+    assert starts == sorted(starts)  # indices follow start times, replacements interleaved

@@ -104,11 +104,11 @@ def test_prefix_aware_best_holders_match_a_scan_of_the_candidates():
     # the candidates finds, whichever shortcut finds it (unusable, excluded and tied holders too).
     policy = build_policy("prefix-aware")
     rng = random.Random(7)
-    for i in range(3000):
+    for trial in range(3000):
         n = rng.randint(1, 12)
         views = tuple(ReplicaView(f"r{i}", healthy=rng.random() > 0.15) for i in range(n))
         # With the id index the registry builds, and without it (hand-built snapshots).
-        snapshot = Snapshot(views, by_id={v.id: v for v in views}) if i % 2 else Snapshot(views)
+        snapshot = Snapshot(views, by_id={v.id: v for v in views}) if trial % 2 else Snapshot(views)
         holders = rng.sample(range(n), rng.randint(1, n))
         cached = {f"r{i}": rng.choice((10, 40, 80, 80, 100, rng.randint(0, 100))) for i in holders}
         if rng.random() < 0.2:

@@ -39,13 +39,14 @@ def req(prompt: int = 10_000, cached: dict[str, int] | None = None, **kw) -> Req
     (ReplicaView("a", num_running_reqs=1, num_queue_reqs=3), True),    # queue over 2
     (ReplicaView("a", token_usage=0.92), False),                      # at the mark is fine
     (ReplicaView("a", token_usage=0.93), True),
+    (ReplicaView("a", num_queue_reqs=3, token_usage=0.93), True),  # over both kinds of mark
     (ReplicaView("a"), False),                                        # unknown signals: not over
 ])
 def test_high_water_marks(view, over):
     assert MARKS.overloaded(view) is over
     assert MARKS([view]) == ([] if over else [view])
-    # The marks other than token_usage: over them exactly when over for another reason.
-    assert MARKS.over_request_marks(view) is (over and (view.token_usage or 0.0) <= MARKS.max_token_usage)
+    # The marks other than token_usage.
+    assert MARKS.over_request_marks(view) is (view.load >= 40 or (view.num_queue_reqs or 0) > 2)
 
 
 def test_high_water_filter_keeps_order():

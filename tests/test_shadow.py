@@ -96,6 +96,22 @@ def test_shadow_counts_land_once_and_leave_with_their_replica() -> None:
                                 {"shadow": "prefix-aware", "agrees": "false"}) == 3
 
 
+def test_a_shadow_picking_a_replica_gone_from_the_snapshot_counts_its_picks_but_no_prediction() -> None:
+    # Its picks have no predicted TTFT (the replica is not in the snapshot): no TTFT series for it.
+    engine = make_engine(Scripted(*[Decision(A, "scripted")] * 2))
+    engine.shadows = (("gone", Scripted(*[Decision("http://gone", "scripted")] * 2)),)
+    for _ in range(2):
+        p = engine.place(RequestSummary("/v1/completions", prompt_tokens=100), None)
+        assert p is not None and p.notes is not None
+        (_, decision, guess), = p.notes.shadows
+        assert decision is not None and guess is not None and guess.ttft_s is None
+        p.done()
+    reg = engine.metrics.registry
+    assert reg.get_sample_value("kvrouter_shadow_picks_total", {"shadow": "gone", "replica": "http://gone"}) == 2
+    assert reg.get_sample_value("kvrouter_shadow_predicted_ttft_seconds_total",
+                                {"policy": "gone", "role": "shadow"}) is None
+
+
 def test_a_shadow_with_no_replica_counts_a_disagreement_and_nothing_else() -> None:
     engine = make_engine(Scripted(*[Decision(A, "scripted")] * 2))
     engine.shadows = (("nowhere", Scripted()),)  # decides None every time
