@@ -76,7 +76,6 @@ class CodingAgentParams(BaseModel):
     empty_replica_min_homed: int = Field(1, ge=1, description="Sessions the cheapest replica must already be home to before a replica no session calls home is preferred to it.")
     lost_home_moves_with_shed: bool = Field(True, description="A session whose home is over a high-water mark and has lost its prefix is placed as rehome_evicted places it (the home moves with the request), not shed as overflow with the home kept.")
     rehome_needs_kv_room: bool = Field(True, description="A session whose home lost its prefix moves only to a replica holding its prefix or whose token_usage plus this prompt stays under replica_max_token_usage (on a DP-attention replica: some rank's); none: it stays home (stay_no_room).")
-    rehome_room_counts_pending: bool = Field(False, description="That KV room also counts the prefills this router has sent the replica and had no first byte of yet (pending_prefill_tokens): KV they are about to take, which token_usage does not show yet.")
     tie_tolerance: float = Field(0.01, ge=0, description="Relative cost gap still treated as a tie.")
     tie_abs_s: float = Field(0.02, ge=0, description="Absolute cost gap (seconds) still treated as a tie.")
     max_candidates: int = Field(16, ge=2, description="Replicas costed per decision: prefix holders, then a random sample.")
@@ -201,8 +200,7 @@ class CodingAgent:
         """The replicas a session whose home lost its prefix may move to: those holding at least
         `home_lost_fraction` of the prompt (a warm move), and those whose running requests' KV
         (`token_usage`; on a DP-attention replica, some rank's) leaves room for this prompt under
-        `replica_max_token_usage` (`steps.has_kv_room`; with `rehome_room_counts_pending`, the
-        prefills already sent there and not yet answered count as taken). A cold move
+        `replica_max_token_usage` (`steps.has_kv_room`). A cold move
         onto a replica without that room evicts idle sessions' prefixes there and waits for
         memory; where sessions far outnumber what the KV holds every replica is like that, and
         moving only chases KV that is not anywhere. None left: the session stays home
@@ -216,10 +214,8 @@ class CodingAgent:
         warm = p.home_lost_fraction * prompt
         mark = p.replica_max_token_usage
         default_capacity = p.cost.default_capacity_tokens
-        pending = p.rehome_room_counts_pending
         return [r for r in others
-                if 0 < warm <= cached.get(r.id, 0)
-                or has_kv_room(r, prompt + (r.pending_prefill_tokens if pending else 0), mark, default_capacity)]
+                if 0 < warm <= cached.get(r.id, 0) or has_kv_room(r, prompt, mark, default_capacity)]
 
     # -- rules 3-5: rehome, retry, new_session / fresh_replica, fallback -------------------------
     def _place(self, snapshot: Snapshot, request: RequestSummary, rng: random.Random) -> Decision | None:

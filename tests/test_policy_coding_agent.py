@@ -358,22 +358,6 @@ def test_rehome_needs_kv_room_off_moves_as_before():
     assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
 
 
-def test_rehome_room_counts_pending_keeps_a_move_off_a_replica_whose_sent_prefills_fill_it():
-    # c shows room in token_usage, but a cold prefill this router sent it has not started yet
-    # and would take most of that room: counted (preset coding-agent-pending-room), the session
-    # stays home.
-    reps = [ReplicaView("a", num_running_reqs=4, num_queue_reqs=10, max_total_num_tokens=CAP),
-            ReplicaView("b", in_flight=2, token_usage=0.7, max_total_num_tokens=CAP),
-            ReplicaView("c", in_flight=1, token_usage=0.3, max_total_num_tokens=CAP,
-                        pending_prefill_tokens=70_000)]
-    request, session = req(cached={"a": 10_000}, prefix_blocks=BLOCKS), SessionView("s1", home="a")
-    d = decide(reps, request, session)  # the default: token_usage alone
-    assert (d.replica, d.reason, d.home) == ("c", "rehome_evicted", "c")
-    policy = build_policy("coding-agent-pending-room")
-    d = policy.decide(Snapshot(tuple(reps), session), request, random.Random(0))
-    assert (d.replica, d.reason, d.home) == ("a", "stay_no_room", None)
-
-
 def test_overloaded_home_that_lost_the_prefix_moves_with_one_sibling_in_flight():
     # Busy means `session_high_water` (2) requests in flight: one sibling still lets the home
     # move with the request, as the rule's docs say.
