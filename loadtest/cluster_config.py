@@ -43,9 +43,11 @@ class SimConfig:
     warm_start: bool = True
     warmup_s: float = 60.0
     # How far into its life each session starts (with `warm_start`): False, a draw of the
-    # simulator's own, session after session (the saved results' traffic); True, the load
-    # driver's draw for that seed and session (`workload.warm_start_batch`), so session i of a seed
-    # starts where it does in `kvrouter compare` and `kvrouter demo`.
+    # simulator's own, session after session (the saved results' traffic); True, as the load
+    # driver of `kvrouter compare` and `kvrouter demo` does it: each user's first session is made
+    # and numbered at its ramp time (a replacement started cold during the ramp takes the next
+    # number first, so, as live, which sessions start warm can differ by policy) and starts at
+    # the driver's draw for that seed and session (`workload.warm_start_batch`).
     warm_start_as_driver: bool = False
     # Replies end at an EOS drawn as `kvrouter sim-replica` draws it for a request without
     # `ignore_eos` (lognormal of this median, capped by max_tokens), as in `kvrouter compare` and

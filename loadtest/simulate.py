@@ -239,9 +239,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(lognormal of this median, capped by max_tokens; 256 in kvrouter compare and "
                         "demo); default: every reply is its max_tokens long")
     p.add_argument("--warm-start-as-driver", action="store_true",
-                   help="start each session at the turn kvrouter compare's and demo's load driver starts it "
-                        "for the same seed (default: the simulator's own draw); with --ramp and "
-                        "--eos-median, the same traffic as a live run of that seed")
+                   help="make, number and warm-start each user's first session as kvrouter compare's and "
+                        "demo's load driver does for the same seed (default: the simulator's own draw); "
+                        "with --ramp and --eos-median, the traffic of a live run of that seed (as live, "
+                        "which sessions start warm can differ by policy)")
     p.add_argument("--cold-start", action="store_true",
                    help="sessions start at turn 1 instead of a random point of their life")
     p.add_argument("--page-tokens", type=int,

@@ -79,7 +79,8 @@ def test_killed_replica_sessions_rehome_and_failures_are_counted():
 
 def _first_turns(policy: str, **kw) -> dict[str, tuple[int, int]]:
     """Each of the 8 warm-started sessions' first request in the run: (turn index, prompt
-    tokens). Sessions started later, as others end, are left out."""
+    tokens). Sessions started later, as others end, are left out (none ends within the 15 s
+    ramp, so with `warm_start_as_driver` the first 8 numbers are the users' too)."""
     sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=60.0, seed=4, warmup_s=0, **kw), policy, WL)
     sim.run()
     first: dict[str, tuple[float, int, int]] = {}
@@ -171,9 +172,17 @@ def test_warm_start_as_driver_numbers_sessions_in_the_order_they_start():
     sim = ClusterSimulator(SimConfig(replicas=2, sessions=8, duration_s=400.0, seed=4, warmup_s=0,
                                      ramp_s=300.0, warm_start_as_driver=True), "round-robin", WL)
     sim.run()
-    first: dict[int, float] = {}
+    first: dict[int, tuple[float, int]] = {}
     for r in sim.records:
         idx = int(r.session_id.rsplit("-", 1)[1])
-        first[idx] = min(r.start_s, first.get(idx, r.start_s))
-    starts = [first[i] for i in sorted(first)]
+        if idx not in first or r.start_s < first[idx][0]:
+            first[idx] = (r.start_s, r.turn_index)
+    starts = [first[i][0] for i in sorted(first)]
     assert starts == sorted(starts)  # indices follow start times, replacements interleaved
+    grid = {300.0 * u / 8 for u in range(8)}  # the users' ramp times
+    replacements = [i for i, (at, _) in first.items() if at < 300.0 and at not in grid]
+    assert replacements  # some session did end during the ramp: the case under test
+    for i, (at, turn) in first.items():
+        # A user's first session at the driver's warm-start turn, a replacement from its start.
+        expected = warm_start_batch(make_session(WL, 4, i), 4)[0].turn_index if at in grid else 0
+        assert turn == expected, (i, at)
