@@ -51,7 +51,7 @@ from .report import RequestRecord
 from .segment_keys import SegmentKeyCache
 from .sim_replica import eos_length
 from .turn_request import TurnRequest
-from .workload import Session, make_session, warm_start_batch
+from .workload import Session, fast_forward, make_session, warm_start_batch
 from .workload_config import WorkloadConfig
 from .world import SignalDelay
 
@@ -228,17 +228,13 @@ class ClusterSimulator(SamplingMixin):
         if session is None:
             session = self.make_session(idx)
         self._sessions[idx] = session
-        if initial and self.config.warm_start and self.config.warm_start_as_driver:
+        if not (initial and self.config.warm_start):
+            batch = session.next_requests(None)
+        elif self.config.warm_start_as_driver:
             # The load driver's draw: session i of a seed starts as in `kvrouter compare`.
             batch = warm_start_batch(session, self.config.seed)
         else:
-            batch = session.next_requests(None)
-            if initial and self.config.warm_start and session.n_turns > 1:
-                for _ in range(self.rng.randrange(session.n_turns)):
-                    nxt = session.next_requests([r.expected_output_tokens for r in batch])
-                    if not nxt:
-                        break
-                    batch = nxt
+            batch = fast_forward(session, self.rng)
         self._launch(idx, batch, at)
 
     def _turn(self, idx: int, replies: list[int | None]) -> None:

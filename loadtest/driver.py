@@ -114,15 +114,10 @@ class _Run:
             await asyncio.sleep(min(delay_s, max(0.0, self.deadline - self.now())))
         if warm_start and self.now() < self.deadline:
             session = self.new_session()
-            await self.run_session(session, self.fast_forward(session))
+            # Starts mid-life, at the turn the cluster simulator's session of that seed and index does.
+            await self.run_session(session, warm_start_batch(session, self.seed))
         while self.now() < self.deadline:
             await self.run_session(self.new_session())
-
-    def fast_forward(self, session: Session) -> list[TurnRequest]:
-        """Warm start: skip a random number of turns (replies of the expected length, nothing sent),
-        so the session starts mid-life with a steady-state context; returns its first batch.
-        The same turn as the cluster simulator's session of that seed and index."""
-        return warm_start_batch(session, self.seed)
 
     async def arrival_loop(self, rate_per_model_s: float) -> None:
         rng = random.Random(f"{self.seed}:arrivals")

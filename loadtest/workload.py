@@ -38,7 +38,7 @@ from typing import Sequence
 from .turn_request import ReplyLike, Segment, TurnRequest, reply_as_segment
 from .workload_config import WorkloadConfig
 
-__all__ = ["Session", "make_session", "warm_start_batch", "summarize", "quantile"]
+__all__ = ["Session", "make_session", "fast_forward", "warm_start_batch", "summarize", "quantile"]
 
 
 class Session:
@@ -179,19 +179,25 @@ def make_session(config: WorkloadConfig, seed: int, index: int) -> Session:
     return Session(config, random.Random(f"{seed}:{index}"), f"{config.name}-{seed}-{index:06d}")
 
 
-def warm_start_batch(session: Session, seed: int) -> list[TurnRequest]:
-    """Warm start: skip a random number of ``session``'s turns (replies of the expected length,
-    nothing sent), so it starts mid-life with a steady-state context; returns its first batch to
-    send. The number skipped comes from the seed and the session id alone, so the load driver and
-    the cluster simulator start session ``i`` of a seed at the same turn."""
-    rng = random.Random(f"{seed}:warm:{session.session_id}")
+def fast_forward(session: Session, rng: random.Random) -> list[TurnRequest]:
+    """Warm start: skip `rng.randrange(n_turns)` of ``session``'s turns (replies of the expected
+    length, nothing sent), so it starts mid-life with a steady-state context; returns its first
+    batch to send. A session of one turn draws nothing."""
     batch = session.next_requests(None)
-    for _ in range(rng.randrange(max(1, session.n_turns))):
-        nxt = session.next_requests([r.expected_output_tokens for r in batch])
-        if not nxt:
-            break
-        batch = nxt
+    if session.n_turns > 1:
+        for _ in range(rng.randrange(session.n_turns)):
+            nxt = session.next_requests([r.expected_output_tokens for r in batch])
+            if not nxt:
+                break
+            batch = nxt
     return batch
+
+
+def warm_start_batch(session: Session, seed: int) -> list[TurnRequest]:
+    """`fast_forward` as the load driver draws it: from the seed and the session id alone, so the
+    driver and the cluster simulator (`warm_start_as_driver`) start session ``i`` of a seed at the
+    same turn."""
+    return fast_forward(session, random.Random(f"{seed}:warm:{session.session_id}"))
 
 
 # --------------------------------------------------------------------------------------

@@ -298,7 +298,6 @@ class Snapshot:
         return list(chosen.values())
 
 
-
 # `snapshot.with_session(session)` without the method's frame: a request with a session key makes
 # one per decision (every other field, the memo too, shared).
 snapshot_with_session = slot_replacer(Snapshot, ("session",))

@@ -104,7 +104,7 @@ def test_every_policy_gets_the_same_warm_start():
 
 def test_warm_start_as_driver_is_the_load_drivers():
     """`warm_start_as_driver`: session i of a seed starts at the same turn in the simulator as in
-    `kvrouter compare`'s driver (driver.py `fast_forward`): the same seed is the same traffic."""
+    `kvrouter compare`'s driver (driver.py `user_loop`): the same seed is the same traffic."""
     turns = _first_turns("round-robin", warm_start_as_driver=True)
     assert turns != _first_turns("round-robin")  # the simulator's own draw, by default
     for i in range(8):
