@@ -176,6 +176,13 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.kv_root_first = Gauge(
+            "kvrouter_kv_root_first",
+            "1 once the replica's reported cache hits show it evicts a conversation from its root "
+            "(a plain LRU of pages): the shadow index then drops that replica's conversations whole.",
+            ["replica"],
+            registry=r,
+        )
         self.usage_ignored = Counter(
             "kvrouter_usage_ignored_total",
             "Responses whose usage was not learnt from, by reason (missing, garbage, negative, "

@@ -187,6 +187,12 @@ class LearningConfig(_Strict):
         "the shadow index: only for replicas that report no max_total_num_tokens, or for every "
         "replica (the lower of the two: running requests and outputs share the reported pool).",
     )
+    eviction_order: Literal["learn", "leaf_first"] = Field(
+        "learn", description="How the shadow index evicts a replica's conversations: from their "
+        "end, as SGLang's radix cache does, until the replica's reported cache hits show it "
+        "evicts them from their root (a plain LRU of pages), then whole (`learn`); or always "
+        "from their end (`leaf_first`).",
+    )
     ewma_weight: float = Field(
         0.1, gt=0, le=1, description="Weight of each new report in the bytes-per-token and "
         "effective-capacity estimates.",

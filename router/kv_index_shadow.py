@@ -11,6 +11,10 @@ A record costs the blocks it adds, not the prompt: the blocks one record touched
 recency as one run, and the next turn of the conversation re-stamps that run whole (the same
 order, evictions and matches as touching every block; blocks are chained hashes, so a block sits
 at one position in every prompt holding it).
+An engine that touches a prompt's pages root first (a plain LRU of pages, not a radix cache)
+evicts a conversation from its root instead, and with the root goes every match past it: a
+replica learnt to do that (router/learning.py, `set_root_first`) loses its least recent run
+whole.
 Synchronous and lock-free: the event loop is the only writer.
 """
 
@@ -27,9 +31,10 @@ class _Run:
     """The blocks one record stamped most recent, as one LRU entry: `chain[i]` for each i below
     `top` that it still owns. Within a run the deeper block is the older (touched leaf first);
     a later record of a prompt that extends the chain re-stamps the whole run instead of every
-    block. `lost`: positions below `top` other records took (or may have) since."""
+    block. `lost`: positions below `top` other records took (or may have) since. `trimmed`:
+    eviction took blocks from its end since it was last recorded."""
 
-    __slots__ = ("rid", "chain", "top", "held", "lost")
+    __slots__ = ("rid", "chain", "top", "held", "lost", "trimmed")
 
     def __init__(self, rid: int, chain: tuple[int, ...]) -> None:
         self.rid = rid
@@ -37,6 +42,7 @@ class _Run:
         self.top = 0
         self.held = 0
         self.lost: set[int] = set()
+        self.trimmed = False
 
 
 class _ReplicaBlocks:
@@ -88,6 +94,7 @@ class ShadowKVIndex:
         self._learned_tokens: dict[str, int] = {}  # else its effective capacity, learnt
         self._replica_block_tokens: dict[str, float] = {}  # calibrated; else `block_tokens`
         self.learnt_below_reported = False  # a learnt capacity lower than the reported one wins
+        self._root_first: set[str] = set()  # replicas whose engine evicts a conversation from its root
 
     def block_tokens_of(self, replica: str) -> float:
         return self._replica_block_tokens.get(replica, self.block_tokens)
@@ -152,7 +159,7 @@ class ShadowKVIndex:
                 state.runs[run.rid] = state.runs.pop(run.rid)  # now the most recent run
             old_top = run.top
             lost = sorted((i for i in run.lost if i < old_top), reverse=True)
-            run.chain, run.top, run.lost = chain, count, set()
+            run.chain, run.top, run.lost, run.trimmed = chain, count, set(), False
             self._take_new(state, replica, run, old_top)
             take = self._take
             for i in lost:  # its blocks other prompts touched since: this one is newer
@@ -201,14 +208,19 @@ class ShadowKVIndex:
             return
         limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
         excess = len(state.owner) - limit
+        whole = replica in self._root_first
         owner, runs, discard_many = state.owner, state.runs, self._holders.discard_many
         while excess > 0:  # the least recent run, its deepest blocks first
             run = next(iter(runs.values()))
             chain, rid, top = run.chain, run.rid, run.top
-            while excess > 0 and top > 0 and run.held > 0:
-                # The next `excess` positions up from the deepest left: the run's own blocks
-                # among them all go (fewer than `excess` if others took some: then on down).
-                low = max(0, top - excess)
+            # Root first: the engine's next victim is the run's root, which takes every match
+            # past it; the rest of its blocks are the victims after that, unmatched till then.
+            want = run.held if whole else excess
+            excess -= want
+            while want > 0 and top > 0 and run.held > 0:
+                # The next `want` positions up from the deepest left: the run's own blocks
+                # among them all go (fewer than `want` if others took some: then on down).
+                low = max(0, top - want)
                 below = chain[low:top]
                 owners = list(map(owner.pop, below, repeat(None)))  # a repeated hash: None the 2nd time
                 if owners.count(rid) == len(below):  # all the run's: no Python loop
@@ -218,13 +230,65 @@ class ShadowKVIndex:
                     gone = [b for b, o in zip(below, owners) if o == rid]
                 discard_many(gone, replica)
                 run.held -= len(gone)
-                excess -= len(gone)
+                want -= len(gone)
                 top = low
+            excess += want  # what the run could not give (others held it) comes from the next
             run.top = top
+            run.trimmed = True
             if run.held <= 0:
                 del runs[rid]
             elif run.top < len(chain) // 2:
                 run.chain = chain[: run.top]  # let the evicted tail's hashes go
+
+    def set_root_first(self, replica: str, root_first: bool = True) -> None:
+        """Whether the replica's engine evicts a conversation from its root (a plain LRU of
+        pages touched root first) rather than from its end. Turned on, the runs already trimmed
+        are dropped: their roots went first, so nothing of them matches."""
+        if not root_first:
+            self._root_first.discard(replica)
+            return
+        self._root_first.add(replica)
+        state = self._replicas.get(replica)
+        if state is None:
+            return
+        for run in [r for r in state.runs.values() if r.trimmed]:
+            self._drop_run(state, replica, run)
+
+    def root_first(self, replica: str) -> bool:
+        return replica in self._root_first
+
+    def _drop_run(self, state: _ReplicaBlocks, replica: str, run: _Run) -> None:
+        owner, rid = state.owner, run.rid
+        gone = [b for b in run.chain[: run.top] if owner.get(b) == rid]
+        for block in gone:
+            del owner[block]
+        self._holders.discard_many(gone, replica)
+        del state.runs[rid]
+
+    def partial_match(self, replica: str, chain: Sequence[int]) -> tuple[int, int] | None:
+        """Where the index's match of `chain` on `replica` ends inside a run eviction trimmed
+        from its end (a conversation partly evicted, as a radix cache evicts): (blocks matched,
+        blocks of them other runs hold, such as a shared system prompt). An engine that evicts
+        from the root has kept only those others' blocks of it: its reported hit tells the two
+        orders apart (router/learning.py). None: the match ends in an untrimmed run, or none."""
+        state = self._replicas.get(replica)
+        if state is None or not chain or chain[0] not in state.owner:
+            return None
+        owner = state.owner
+        lo, hi = 0, len(chain)  # blocks are held prefix-closed: the last held one by bisection
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if chain[mid] in owner:
+                lo = mid
+            else:
+                hi = mid
+        rid = owner[chain[lo]]
+        run = state.runs.get(rid)
+        if run is None or not run.trimmed:
+            return None
+        matched = lo + 1
+        others = next((i for i in range(matched) if owner[chain[i]] == rid), matched)
+        return matched, others
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""

@@ -16,10 +16,19 @@ side: fed by `Placement.reported` after a response, read when a request is summa
   plus the surplus when it reports more) and the index, shrunk to it, drops that replica's oldest
   entries as an LRU engine did. The request's own prompt is not trimmed: the engine has just
   cached it again.
+- Eviction order: the index trims a conversation from its end, as SGLang's radix cache evicts
+  leaves. An engine keeping a plain LRU of pages touched root first evicts it from its root, and
+  nothing past the root matches then. When the index's match ended inside a conversation it had
+  trimmed (`ShadowKVIndex.partial_match`), the reported hit votes: about what other
+  conversations hold of the prompt (a shared system prompt) is a root-first engine's answer,
+  about the match a leaf-first one's. With ROOT_FIRST_MIN_VOTES root-first votes and
+  ROOT_FIRST_MAJORITY times as many as leaf-first ones, the index evicts that replica's
+  conversations whole from then on (a miss explained so is not taken for a smaller capacity).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,6 +38,8 @@ from .usage import UsageReport
 if TYPE_CHECKING:
     from ..metrics.router_metrics import RouterMetrics
     from .kv_index_shadow import ShadowKVIndex
+
+log = logging.getLogger("kvrouter.learning")
 
 DEFAULT_BYTES_PER_TOKEN = float(BYTES_PER_TOKEN)  # the summary's estimate until reports come
 MIN_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN = 1.0, 16.0
@@ -42,6 +53,13 @@ MIN_CALIBRATION_BYTES = 256
 MIN_OWN_REPORTS = 16
 # Replicas following their model's ratio get its new value when it moved by more than this.
 FOLLOW_STEP = 0.01
+# Votes that make a replica's engine root-first (a handful: a radix engine's leaf-first answers
+# keep it from ever getting there while the index's matches are right).
+ROOT_FIRST_MIN_VOTES = 4
+ROOT_FIRST_MAJORITY = 3
+# A root-first vote needs the index to have kept at least this share of the conversation's own
+# blocks in the prompt.
+ROOT_VOTE_KEPT = 0.5
 
 
 class _Ewma:
@@ -76,8 +94,10 @@ class UsageLearner:
         calibrate: bool = True,
         index: ShadowKVIndex | None = None,
         metrics: RouterMetrics | None = None,
+        learn_order: bool = True,
     ) -> None:
         self.block_chars = block_chars
+        self.learn_order = learn_order  # learn each replica's eviction order (off: leaf first)
         self.weight = weight
         self.calibrate = calibrate
         self.index = index  # the shadow index (None with the exact one: it counts real tokens)
@@ -89,6 +109,7 @@ class UsageLearner:
         # and the model ratio last given to their index entries.
         self._following: dict[str, str] = {}
         self._followed_value: dict[str, float] = {}
+        self._order_votes: dict[str, list[int]] = {}  # replica -> [root-first, leaf-first] votes
 
     # -- read side -----------------------------------------------------------------------------
     def bytes_per_token(self, model: str | None) -> float:
@@ -102,6 +123,20 @@ class UsageLearner:
             return self.bytes_per_token(model)
         est = self._per_replica.get(replica)
         return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
+
+    def learns_order(self, replica: str) -> bool:
+        """Whether a request's `partial_match` is still worth taking for `replica` (the shadow
+        index only; a replica found root-first stays so)."""
+        return self.learn_order and self.index is not None and not self.index.root_first(replica)
+
+    def partial_match(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int] | None:
+        assert self.index is not None
+        return self.index.partial_match(replica, prefix_blocks)
+
+    def order_votes(self, replica: str) -> tuple[int, int]:
+        """(root-first, leaf-first) votes the replica's reports cast so far."""
+        root, leaf = self._order_votes.get(replica, (0, 0))
+        return root, leaf
 
     def learned_capacity(self, replica: str) -> int | None:
         est = self._capacity.get(replica)
@@ -121,10 +156,12 @@ class UsageLearner:
         prompt_bytes: int,
         predicted_cached: int | None,
         prefix_blocks: Sequence[int],
+        partial_match: tuple[int, int] | None = None,
     ) -> None:
         """One response's usage. `prompt_bytes`: the prompt text's size (0 when the prompt was
         token ids or tokenized exactly: nothing to calibrate); `predicted_cached`: the index's
-        cached-token estimate for this replica when the request was placed (None: none made)."""
+        cached-token estimate for this replica when the request was placed (None: none made);
+        `partial_match`: the index's `partial_match` of the prompt when the replica took it."""
         if self.calibrate and prompt_bytes >= MIN_CALIBRATION_BYTES and report.prompt_tokens > 0:
             self._calibrate(replica, model, prompt_bytes / report.prompt_tokens)
         if report.cached_tokens is None:
@@ -140,6 +177,9 @@ class UsageLearner:
                 m.observe(m.cache_prediction_error, (),
                           (report.cached_tokens - predicted_cached) / report.prompt_tokens)
         if self.index is not None and prefix_blocks:
+            if partial_match is not None and self._vote_order(replica, report.cached_tokens, partial_match,
+                                                              len(prefix_blocks)):
+                return  # the miss is the eviction order's, not a smaller capacity's
             self._correct(replica, report, predicted_cached)
 
     def _calibrate(self, replica: str, model: str | None, ratio: float) -> None:
@@ -172,6 +212,40 @@ class UsageLearner:
         for replica, followed in self._following.items():
             if followed == model:
                 self.index.set_block_tokens(replica, self.block_chars / value)
+
+    def _vote_order(self, replica: str, reported: int, partial_match: tuple[int, int],
+                    prompt_blocks: int) -> bool:
+        """A reported hit of a prompt whose match ended in a conversation the index had trimmed
+        (`matched` blocks, `others` of them held by other conversations) votes for the engine's
+        eviction order; True if it voted root-first."""
+        index = self.index
+        assert index is not None
+        block = index.block_tokens_of(replica)
+        matched, others = partial_match
+        own = matched - others  # the match's blocks only the trimmed conversation held
+        if own < 2:
+            return False
+        votes = self._order_votes.setdefault(replica, [0, 0])
+        if reported <= (others + 1) * block and own >= ROOT_VOTE_KEPT * (prompt_blocks - others):
+            # Nothing past what others hold, although the index kept most of the conversation:
+            # a leaf-first engine that had kept less than the index thinks (a capacity it does
+            # not know yet) still keeps a conversation's first blocks longest.
+            votes[0] += 1
+        elif (others + 2) * block <= reported <= (matched + 1) * block:
+            # The conversation's first blocks kept and its end gone: only a leaf-first engine
+            # does that (more than the match: the engine kept what the index dropped, which
+            # says nothing of the order).
+            votes[1] += 1
+            return False
+        else:
+            return False
+        if votes[0] >= ROOT_FIRST_MIN_VOTES and votes[0] >= ROOT_FIRST_MAJORITY * votes[1]:
+            index.set_root_first(replica)
+            if self.metrics is not None:
+                self.metrics.child(self.metrics.kv_root_first, replica).set(1)
+            log.info("replica %s evicts conversations from their root (%d votes to %d): its "
+                     "index entries follow", replica, votes[0], votes[1])
+        return True
 
     def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
         """Learn the replica's effective capacity from a cache hit the index got wrong by a
