@@ -265,12 +265,12 @@ class ShadowKVIndex:
         self._holders.discard_many(gone, replica)
         del state.runs[rid]
 
-    def partial_match(self, replica: str, chain: Sequence[int]) -> tuple[int, int] | None:
-        """Where the index's match of `chain` on `replica` ends inside a run eviction trimmed
-        from its end (a conversation partly evicted, as a radix cache evicts): (blocks matched,
-        blocks of them other runs hold, such as a shared system prompt). An engine that evicts
-        from the root has kept only those others' blocks of it: its reported hit tells the two
-        orders apart (router/learning.py). None: the match ends in an untrimmed run, or none."""
+    def match_split(self, replica: str, chain: Sequence[int]) -> tuple[int, int] | None:
+        """The index's match of `chain` on `replica` in two: (blocks matched, blocks of them
+        that runs other than the one the match ends in hold, such as a shared system prompt).
+        An engine that evicts a conversation from its root keeps only the others' blocks of it
+        once it evicted any; one that evicts from the end keeps its first blocks: a reported hit
+        short of the match tells the two orders apart (router/learning.py). None: no match."""
         state = self._replicas.get(replica)
         if state is None or not chain or chain[0] not in state.owner:
             return None
@@ -283,12 +283,8 @@ class ShadowKVIndex:
             else:
                 hi = mid
         rid = owner[chain[lo]]
-        run = state.runs.get(rid)
-        if run is None or not run.trimmed:
-            return None
         matched = lo + 1
-        others = next((i for i in range(matched) if owner[chain[i]] == rid), matched)
-        return matched, others
+        return matched, next((i for i in range(matched) if owner[chain[i]] == rid), matched)
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""

@@ -18,12 +18,14 @@ side: fed by `Placement.reported` after a response, read when a request is summa
   cached it again.
 - Eviction order: the index trims a conversation from its end, as SGLang's radix cache evicts
   leaves. An engine keeping a plain LRU of pages touched root first evicts it from its root, and
-  nothing past the root matches then. When the index's match ended inside a conversation it had
-  trimmed (`ShadowKVIndex.partial_match`), the reported hit votes: about what other
-  conversations hold of the prompt (a shared system prompt) is a root-first engine's answer,
-  about the match a leaf-first one's. With ROOT_FIRST_MIN_VOTES root-first votes and
-  ROOT_FIRST_MAJORITY times as many as leaf-first ones, the index evicts that replica's
-  conversations whole from then on (a miss explained so is not taken for a smaller capacity).
+  nothing past the root matches then. A reported hit short of the index's match votes
+  (`ShadowKVIndex.match_split`): only what other conversations hold of the prompt (a shared
+  system prompt), where the index held at least half of the conversation, is a root-first
+  engine's answer; the conversation's first blocks without its end, a leaf-first one's. With
+  ROOT_FIRST_MIN_VOTES root-first votes and ROOT_FIRST_MAJORITY times as many as leaf-first
+  ones the index evicts that replica's conversations whole from then on (a miss explained so
+  is not taken for a smaller capacity); LEAF_FIRST_SETTLED leaf-first votes, at least as many
+  as root-first ones, settle it the other way (no more asking).
 """
 
 from __future__ import annotations
@@ -53,12 +55,15 @@ MIN_CALIBRATION_BYTES = 256
 MIN_OWN_REPORTS = 16
 # Replicas following their model's ratio get its new value when it moved by more than this.
 FOLLOW_STEP = 0.01
-# Votes that make a replica's engine root-first (a handful: a radix engine's leaf-first answers
-# keep it from ever getting there while the index's matches are right).
-ROOT_FIRST_MIN_VOTES = 4
-ROOT_FIRST_MAJORITY = 3
-# A root-first vote needs the index to have kept at least this share of the conversation's own
-# blocks in the prompt.
+# Votes that make a replica's engine root-first. A leaf-first engine evicting a whole
+# conversation at once (a large prompt needing the room) votes root-first too, so it takes many,
+# and few leaf-first ones among them: a root-first engine never keeps a conversation's start
+# without its end (but where a sibling conversation holds the start).
+ROOT_FIRST_MIN_VOTES = 6
+ROOT_FIRST_MAJORITY = 4
+LEAF_FIRST_SETTLED = 16
+# A root-first vote needs the index to have matched at least this share of the conversation's
+# own blocks in the prompt.
 ROOT_VOTE_KEPT = 0.5
 
 
@@ -110,6 +115,7 @@ class UsageLearner:
         self._following: dict[str, str] = {}
         self._followed_value: dict[str, float] = {}
         self._order_votes: dict[str, list[int]] = {}  # replica -> [root-first, leaf-first] votes
+        self._order_settled: set[str] = set()  # replicas found leaf-first
 
     # -- read side -----------------------------------------------------------------------------
     def bytes_per_token(self, model: str | None) -> float:
@@ -125,13 +131,14 @@ class UsageLearner:
         return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
 
     def learns_order(self, replica: str) -> bool:
-        """Whether a request's `partial_match` is still worth taking for `replica` (the shadow
-        index only; a replica found root-first stays so)."""
-        return self.learn_order and self.index is not None and not self.index.root_first(replica)
+        """Whether a request's `match_split` is still worth taking for `replica` (the shadow
+        index only, until the replica's order is settled either way)."""
+        return (self.learn_order and self.index is not None and replica not in self._order_settled
+                and not self.index.root_first(replica))
 
-    def partial_match(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int] | None:
+    def match_split(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int] | None:
         assert self.index is not None
-        return self.index.partial_match(replica, prefix_blocks)
+        return self.index.match_split(replica, prefix_blocks)
 
     def order_votes(self, replica: str) -> tuple[int, int]:
         """(root-first, leaf-first) votes the replica's reports cast so far."""
@@ -156,12 +163,12 @@ class UsageLearner:
         prompt_bytes: int,
         predicted_cached: int | None,
         prefix_blocks: Sequence[int],
-        partial_match: tuple[int, int] | None = None,
+        match_split: tuple[int, int] | None = None,
     ) -> None:
         """One response's usage. `prompt_bytes`: the prompt text's size (0 when the prompt was
         token ids or tokenized exactly: nothing to calibrate); `predicted_cached`: the index's
         cached-token estimate for this replica when the request was placed (None: none made);
-        `partial_match`: the index's `partial_match` of the prompt when the replica took it."""
+        `match_split`: the index's `match_split` of the prompt when the replica took it."""
         if self.calibrate and prompt_bytes >= MIN_CALIBRATION_BYTES and report.prompt_tokens > 0:
             self._calibrate(replica, model, prompt_bytes / report.prompt_tokens)
         if report.cached_tokens is None:
@@ -177,8 +184,8 @@ class UsageLearner:
                 m.observe(m.cache_prediction_error, (),
                           (report.cached_tokens - predicted_cached) / report.prompt_tokens)
         if self.index is not None and prefix_blocks:
-            if partial_match is not None and self._vote_order(replica, report.cached_tokens, partial_match,
-                                                              len(prefix_blocks)):
+            if match_split is not None and self._vote_order(replica, report.cached_tokens, match_split,
+                                                            len(prefix_blocks)):
                 return  # the miss is the eviction order's, not a smaller capacity's
             self._correct(replica, report, predicted_cached)
 
@@ -213,39 +220,34 @@ class UsageLearner:
             if followed == model:
                 self.index.set_block_tokens(replica, self.block_chars / value)
 
-    def _vote_order(self, replica: str, reported: int, partial_match: tuple[int, int],
+    def _vote_order(self, replica: str, reported: int, match_split: tuple[int, int],
                     prompt_blocks: int) -> bool:
-        """A reported hit of a prompt whose match ended in a conversation the index had trimmed
-        (`matched` blocks, `others` of them held by other conversations) votes for the engine's
-        eviction order; True if it voted root-first."""
+        """A reported hit short of the index's match (`matched` blocks, `others` of them held by
+        other conversations) votes for the engine's eviction order; True if it voted root-first."""
         index = self.index
         assert index is not None
         block = index.block_tokens_of(replica)
-        matched, others = partial_match
-        own = matched - others  # the match's blocks only the trimmed conversation held
-        if own < 2:
-            return False
+        matched, others = match_split
+        own = matched - others  # the matched blocks only the conversation the match ends in held
+        if own < 2 or reported >= (matched - 1) * block:
+            return False  # too little of it its own, or the engine kept what the index said
         votes = self._order_votes.setdefault(replica, [0, 0])
-        if reported <= (others + 1) * block and own >= ROOT_VOTE_KEPT * (prompt_blocks - others):
-            # Nothing past what others hold, although the index kept most of the conversation:
-            # a leaf-first engine that had kept less than the index thinks (a capacity it does
-            # not know yet) still keeps a conversation's first blocks longest.
+        if reported <= (others + 1) * block:
+            if own < ROOT_VOTE_KEPT * (prompt_blocks - others):
+                return False  # most of it gone in the index too: either order
             votes[0] += 1
-        elif (others + 2) * block <= reported <= (matched + 1) * block:
-            # The conversation's first blocks kept and its end gone: only a leaf-first engine
-            # does that (more than the match: the engine kept what the index dropped, which
-            # says nothing of the order).
+            if votes[0] >= ROOT_FIRST_MIN_VOTES and votes[0] >= ROOT_FIRST_MAJORITY * votes[1]:
+                index.set_root_first(replica)
+                if self.metrics is not None:
+                    self.metrics.child(self.metrics.kv_root_first, replica).set(1)
+                log.info("replica %s evicts conversations from their root (%d votes to %d): its "
+                         "index entries follow", replica, votes[0], votes[1])
+            return True
+        if reported >= (others + 2) * block:  # its start kept, its end gone: leaf first
             votes[1] += 1
-            return False
-        else:
-            return False
-        if votes[0] >= ROOT_FIRST_MIN_VOTES and votes[0] >= ROOT_FIRST_MAJORITY * votes[1]:
-            index.set_root_first(replica)
-            if self.metrics is not None:
-                self.metrics.child(self.metrics.kv_root_first, replica).set(1)
-            log.info("replica %s evicts conversations from their root (%d votes to %d): its "
-                     "index entries follow", replica, votes[0], votes[1])
-        return True
+            if votes[1] >= LEAF_FIRST_SETTLED and votes[1] >= votes[0]:
+                self._order_settled.add(replica)
+        return False
 
     def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
         """Learn the replica's effective capacity from a cache hit the index got wrong by a

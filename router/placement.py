@@ -119,7 +119,7 @@ class Placement:
                  "ttfb_s", "usage", "error", "predicted_ttft_s",
                  "rank", "decode", "_claimed_home", "_began", "_claim_pending", "_held", "_accepted",
                  "_counted", "_registration", "_prefill_tokens", "sent_at", "_pending_notes",
-                 "_defer_notes", "_partial_match")
+                 "_defer_notes", "_match_split")
 
     def __init__(
         self,
@@ -158,7 +158,7 @@ class Placement:
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
-        self._partial_match: tuple[int, int] | None = None  # see `accepted`
+        self._match_split: tuple[int, int] | None = None  # see `accepted`
         # The request's prompt is in the prompt-token counters already: a PD pair whose prefill
         # half served it, then failed on its decode half, is retried without counting it again.
         self._counted = retry_of._counted if retry_of is not None else False
@@ -364,9 +364,9 @@ class Placement:
         if summary.prefix_blocks:
             learner = self.engine.learner
             if learner is not None and learner.learns_order(url):
-                # Before the record re-stamps it: a match ending in a conversation the index
-                # trimmed, whose reported hit tells the engine's eviction order.
-                self._partial_match = learner.partial_match(url, summary.prefix_blocks)
+                # Before the record takes the prompt's blocks: whose they were tells, with the
+                # reported hit, the engine's eviction order.
+                self._match_split = learner.match_split(url, summary.prefix_blocks)
             self.engine.index.record(url, summary.prefix_blocks)
             if self.engine.on_record is not None:
                 self.engine.on_record(url, summary.prefix_blocks)
@@ -397,7 +397,7 @@ class Placement:
             usage.prompt_tokens, self.summary.cached_tokens.get(url, 0))
         learner.observe(url, self.summary.model, usage, prompt_bytes=prompt_bytes,
                         predicted_cached=predicted, prefix_blocks=self.summary.prefix_blocks,
-                        partial_match=self._partial_match)
+                        match_split=self._match_split)
 
     def again(self) -> Placement | None:
         """Release this attempt and place the request on the same replica once more (PD: the

@@ -12,7 +12,7 @@ import aiohttp
 from kvrouter.loadtest.profiles import Profile, load_profile
 from kvrouter.loadtest.sim_server import build_app
 from kvrouter.router.kv_index_shadow import ShadowKVIndex
-from kvrouter.router.learning import ROOT_FIRST_MIN_VOTES, UsageLearner
+from kvrouter.router.learning import ROOT_FIRST_MAJORITY, ROOT_FIRST_MIN_VOTES, UsageLearner
 from kvrouter.router.usage import UsageReport
 
 from .benchmark_modules import load_benchmark
@@ -28,15 +28,16 @@ def test_the_index_trims_a_conversation_from_its_end_until_told_otherwise() -> N
     index = ShadowKVIndex(block_tokens=10, default_capacity_tokens=250)  # 25 blocks
     a, b, c = _conversation(1, 10), _conversation(2, 10), _conversation(3, 10)
     index.record("r", a)
+    assert index.match_split("r", a) == (14, 0)
     index.record("r", b)  # takes the shared blocks: 24 held
-    assert index.partial_match("r", a) is None  # nothing trimmed yet
+    assert index.match_split("r", a) == (14, 4)  # 4 of the 14 matched blocks are b's now
+    assert index.match_split("r", _conversation(5, 3)) == (4, 0)  # only the shared prompt
+    assert index.match_split("r", (7,)) is None
     index.record("r", c)  # 10 more: a's deepest 9 go
     assert index.match(a)["r"] == 50  # the shared 4 and a's first block
-    assert index.partial_match("r", a) == (5, 4)  # matched 5 blocks, 4 of them held by others
-    assert index.partial_match("r", b) is None
+    assert index.match_split("r", a) == (5, 4)
     index.set_root_first("r")  # a's root went first: nothing of it past the shared prompt matches
     assert index.match(a)["r"] == 40
-    assert index.partial_match("r", a) is None
     index.record("r", _conversation(4, 10))  # root first from now on: b goes whole
     assert index.match(b)["r"] == 40 and index.match(c)["r"] == 140
     assert index.cached_tokens("r") <= 250
@@ -68,30 +69,30 @@ def test_reports_of_only_the_shared_prompt_make_the_replica_root_first() -> None
     learner = UsageLearner(block_chars=40, calibrate=False, index=index)
     capacity = index.capacity_tokens("r")
     for vote in range(ROOT_FIRST_MIN_VOTES):
-        assert not index.root_first("r")
+        assert not index.root_first("r") and learner.learns_order("r")
         # predicted 120 (8 of the 10 blocks a holds alone), reported the shared prompt's 40
         learner.observe("r", "m", UsageReport(140, 40), prompt_bytes=0, predicted_cached=120,
-                        prefix_blocks=a, partial_match=(12, 4))
-    assert index.root_first("r")
+                        prefix_blocks=a, match_split=(12, 4))
+    assert index.root_first("r") and not learner.learns_order("r")
     assert index.capacity_tokens("r") == capacity  # the misses taught no smaller capacity
 
 
 def test_a_radix_engines_partial_hits_keep_the_replica_leaf_first() -> None:
     index, a = _trimmed_index()
     learner = UsageLearner(block_chars=40, calibrate=False, index=index)
-    for i in range(6 * ROOT_FIRST_MIN_VOTES):
+    for i in range(24):
         shared_only = i % 4 == 0  # now and then the engine had evicted more than the index did
         learner.observe("r", "m", UsageReport(140, 40 if shared_only else 100), prompt_bytes=0,
-                        predicted_cached=120, prefix_blocks=a, partial_match=(12, 4))
+                        predicted_cached=120, prefix_blocks=a, match_split=(12, 4))
     assert not index.root_first("r")
     assert learner.order_votes("r") == (6, 18)
-    # a match one block into the trimmed conversation tells nothing, nor does a report of more
-    # than the index matched (the engine kept what the index dropped), of between one and two
-    # blocks more than others hold, or of only theirs where the index had kept under half of
-    # the conversation
+    assert not learner.learns_order("r")  # settled: leaf first
+    # a match one block into the conversation tells nothing, nor does a report of about what
+    # the index matched, of between one and two blocks more than others hold, or of only
+    # theirs where the index had matched under half of the conversation
     for cached, match in ((40, (5, 4)), (140, (12, 4)), (55, (12, 4)), (40, (8, 4))):
         learner.observe("r", "m", UsageReport(140, cached), prompt_bytes=0, predicted_cached=50,
-                        prefix_blocks=a, partial_match=match)
+                        prefix_blocks=a, match_split=match)
     assert learner.order_votes("r") == (6, 18)
 
 
@@ -117,12 +118,12 @@ async def _replay(url: str, conversations: int, turns: int) -> None:
 
 async def test_the_router_learns_the_minimal_replicas_root_first_eviction(start_app, start_router) -> None:
     mini = load_benchmark("mini_replica")
-    args = mini.parse_args(["--port", "1", "--max-total-tokens", "6000", "--page-tokens", "16",
+    args = mini.parse_args(["--port", "1", "--max-total-tokens", "12000", "--page-tokens", "16",
                             "--time-scale", "1000", "--chars-per-token", "4"])
     up = await start_app(mini.build_app(args))
     router, url = await start_router([up], signals={"interval_s": 0.05},
                                      )
-    await _replay(url, conversations=6, turns=60)
+    await _replay(url, conversations=8, turns=150)
     assert router.index.root_first(up)
     root_votes, leaf_votes = router.learner.order_votes(up)
     assert root_votes >= ROOT_FIRST_MIN_VOTES
@@ -131,22 +132,22 @@ async def test_the_router_learns_the_minimal_replicas_root_first_eviction(start_
 
 async def test_the_router_keeps_the_simulated_radix_replica_leaf_first(start_app, start_router) -> None:
     tiny = load_profile("tiny")
-    small = Profile.model_validate({**tiny.model_dump(), "max_total_num_tokens": 6000})
+    small = Profile.model_validate({**tiny.model_dump(), "max_total_num_tokens": 12000})
     up = await start_app(build_app(small, time_scale=1000.0, seed=1))
     router, url = await start_router([up], signals={"interval_s": 0.05},
                                      )
-    await _replay(url, conversations=6, turns=60)
+    await _replay(url, conversations=8, turns=150)
     assert not router.index.root_first(up)
     root_votes, leaf_votes = router.learner.order_votes(up)
-    assert leaf_votes >= ROOT_FIRST_MIN_VOTES and root_votes * 3 < leaf_votes
+    assert leaf_votes >= ROOT_FIRST_MIN_VOTES and root_votes * ROOT_FIRST_MAJORITY < leaf_votes
 
 
 async def test_leaf_first_keeps_the_index_trimming_from_the_end(start_app, start_router) -> None:
     mini = load_benchmark("mini_replica")
-    args = mini.parse_args(["--port", "1", "--max-total-tokens", "6000", "--page-tokens", "16",
+    args = mini.parse_args(["--port", "1", "--max-total-tokens", "12000", "--page-tokens", "16",
                             "--time-scale", "1000", "--chars-per-token", "4"])
     up = await start_app(mini.build_app(args))
     router, url = await start_router([up], signals={"interval_s": 0.05},
                                      learning={"eviction_order": "leaf_first"})
-    await _replay(url, conversations=6, turns=60)
+    await _replay(url, conversations=8, turns=150)
     assert not router.index.root_first(up) and router.learner.order_votes(up) == (0, 0)
