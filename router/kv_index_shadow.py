@@ -265,12 +265,13 @@ class ShadowKVIndex:
         self._holders.discard_many(gone, replica)
         del state.runs[rid]
 
-    def match_split(self, replica: str, chain: Sequence[int]) -> tuple[int, int] | None:
+    def match_split(self, replica: str, chain: Sequence[int]) -> tuple[int, int, bool] | None:
         """The index's match of `chain` on `replica` in two: (blocks matched, blocks of them
-        that runs other than the one the match ends in hold, such as a shared system prompt).
-        An engine that evicts a conversation from its root keeps only the others' blocks of it
-        once it evicted any; one that evicts from the end keeps its first blocks: a reported hit
-        short of the match tells the two orders apart (router/learning.py). None: no match."""
+        that runs other than the one the match ends in hold, such as a shared system prompt,
+        and whether eviction trimmed that run from its end). An engine that evicts a
+        conversation from its root keeps only the others' blocks of it once it evicted any; one
+        that evicts from the end keeps its first blocks: a reported hit short of the match tells
+        the two orders apart (router/learning.py). None: no match."""
         state = self._replicas.get(replica)
         if state is None or not chain or chain[0] not in state.owner:
             return None
@@ -284,7 +285,8 @@ class ShadowKVIndex:
                 hi = mid
         rid = owner[chain[lo]]
         matched = lo + 1
-        return matched, next((i for i in range(matched) if owner[chain[i]] == rid), matched)
+        others = next((i for i in range(matched) if owner[chain[i]] == rid), matched)
+        return matched, others, state.runs[rid].trimmed
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""

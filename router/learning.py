@@ -18,14 +18,15 @@ side: fed by `Placement.reported` after a response, read when a request is summa
   cached it again.
 - Eviction order: the index trims a conversation from its end, as SGLang's radix cache evicts
   leaves. An engine keeping a plain LRU of pages touched root first evicts it from its root, and
-  nothing past the root matches then. A reported hit short of the index's match votes
-  (`ShadowKVIndex.match_split`): only what other conversations hold of the prompt (a shared
-  system prompt), where the index held at least half of the conversation, is a root-first
-  engine's answer; the conversation's first blocks without its end, a leaf-first one's. With
-  ROOT_FIRST_MIN_VOTES root-first votes and ROOT_FIRST_MAJORITY times as many as leaf-first
-  ones the index evicts that replica's conversations whole from then on (a miss explained so
-  is not taken for a smaller capacity); LEAF_FIRST_SETTLED leaf-first votes, at least as many
-  as root-first ones, settle it the other way (no more asking).
+  nothing past the root matches then. A reported hit at least two blocks short of the index's
+  match votes (`ShadowKVIndex.match_split`): only what other conversations hold of the prompt
+  (a shared system prompt), where the index held at least half of the conversation, is a
+  root-first engine's answer; the conversation's first blocks without its end, a leaf-first
+  one's. With ROOT_FIRST_MIN_VOTES root-first votes and ROOT_FIRST_MAJORITY times as many as
+  leaf-first ones the index evicts that replica's conversations whole from then on;
+  LEAF_FIRST_SETTLED leaf-first votes, at least as many as root-first ones, settle it the other
+  way (no more asking). A miss the order explains (the index had trimmed that conversation, the
+  engine lost it all) is not taken for a smaller capacity.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ MIN_OWN_REPORTS = 16
 # Replicas following their model's ratio get its new value when it moved by more than this.
 FOLLOW_STEP = 0.01
 # Votes that make a replica's engine root-first. A leaf-first engine evicting a whole
-# conversation at once (a large prompt needing the room) votes root-first too, so it takes many,
-# and few leaf-first ones among them: a root-first engine never keeps a conversation's start
-# without its end (but where a sibling conversation holds the start).
-ROOT_FIRST_MIN_VOTES = 6
+# conversation at once (a large prompt needing the room) would vote root-first too, so few
+# leaf-first votes may come with them: a root-first engine never keeps a conversation's start
+# without its end (but where a sibling conversation holds the start). Live, the simulated radix
+# replica's shortfalls were all leaf-first, the minimal replica's all root-first.
+ROOT_FIRST_MIN_VOTES = 3
 ROOT_FIRST_MAJORITY = 4
 LEAF_FIRST_SETTLED = 16
 # A root-first vote needs the index to have matched at least this share of the conversation's
@@ -163,7 +165,7 @@ class UsageLearner:
         prompt_bytes: int,
         predicted_cached: int | None,
         prefix_blocks: Sequence[int],
-        match_split: tuple[int, int] | None = None,
+        match_split: tuple[int, int, bool] | None = None,
     ) -> None:
         """One response's usage. `prompt_bytes`: the prompt text's size (0 when the prompt was
         token ids or tokenized exactly: nothing to calibrate); `predicted_cached`: the index's
@@ -220,17 +222,20 @@ class UsageLearner:
             if followed == model:
                 self.index.set_block_tokens(replica, self.block_chars / value)
 
-    def _vote_order(self, replica: str, reported: int, match_split: tuple[int, int],
+    def _vote_order(self, replica: str, reported: int, match_split: tuple[int, int, bool],
                     prompt_blocks: int) -> bool:
         """A reported hit short of the index's match (`matched` blocks, `others` of them held by
-        other conversations) votes for the engine's eviction order; True if it voted root-first."""
+        other conversations; the conversation the match ends in `trimmed` by the index) votes
+        for the engine's eviction order. True if the order explains the miss: a root-first vote
+        on a conversation the index had trimmed (one it held whole, the engine evicting it
+        anyway, is a capacity the index does not know)."""
         index = self.index
         assert index is not None
         block = index.block_tokens_of(replica)
-        matched, others = match_split
+        matched, others, trimmed = match_split
         own = matched - others  # the matched blocks only the conversation the match ends in held
-        if own < 2 or reported >= (matched - 1) * block:
-            return False  # too little of it its own, or the engine kept what the index said
+        if own < 2 or reported > (matched - 2) * block:
+            return False  # too little of it its own, or the engine kept about what the index said
         votes = self._order_votes.setdefault(replica, [0, 0])
         if reported <= (others + 1) * block:
             if own < ROOT_VOTE_KEPT * (prompt_blocks - others):
@@ -242,7 +247,7 @@ class UsageLearner:
                     self.metrics.child(self.metrics.kv_root_first, replica).set(1)
                 log.info("replica %s evicts conversations from their root (%d votes to %d): its "
                          "index entries follow", replica, votes[0], votes[1])
-            return True
+            return trimmed
         if reported >= (others + 2) * block:  # its start kept, its end gone: leaf first
             votes[1] += 1
             if votes[1] >= LEAF_FIRST_SETTLED and votes[1] >= votes[0]:

@@ -158,7 +158,7 @@ class Placement:
         self._claim_pending = summary.session_key is not None
         self._held = False
         self._accepted = False
-        self._match_split: tuple[int, int] | None = None  # see `accepted`
+        self._match_split: tuple[int, int, bool] | None = None  # see `accepted`
         # The request's prompt is in the prompt-token counters already: a PD pair whose prefill
         # half served it, then failed on its decode half, is retried without counting it again.
         self._counted = retry_of._counted if retry_of is not None else False

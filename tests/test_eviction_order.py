@@ -28,14 +28,14 @@ def test_the_index_trims_a_conversation_from_its_end_until_told_otherwise() -> N
     index = ShadowKVIndex(block_tokens=10, default_capacity_tokens=250)  # 25 blocks
     a, b, c = _conversation(1, 10), _conversation(2, 10), _conversation(3, 10)
     index.record("r", a)
-    assert index.match_split("r", a) == (14, 0)
+    assert index.match_split("r", a) == (14, 0, False)
     index.record("r", b)  # takes the shared blocks: 24 held
-    assert index.match_split("r", a) == (14, 4)  # 4 of the 14 matched blocks are b's now
-    assert index.match_split("r", _conversation(5, 3)) == (4, 0)  # only the shared prompt
+    assert index.match_split("r", a) == (14, 4, False)  # 4 of the 14 matched blocks are b's now
+    assert index.match_split("r", _conversation(5, 3)) == (4, 0, False)  # only the shared prompt
     assert index.match_split("r", (7,)) is None
     index.record("r", c)  # 10 more: a's deepest 9 go
     assert index.match(a)["r"] == 50  # the shared 4 and a's first block
-    assert index.match_split("r", a) == (5, 4)
+    assert index.match_split("r", a) == (5, 4, True)  # trimmed
     index.set_root_first("r")  # a's root went first: nothing of it past the shared prompt matches
     assert index.match(a)["r"] == 40
     index.record("r", _conversation(4, 10))  # root first from now on: b goes whole
@@ -72,9 +72,19 @@ def test_reports_of_only_the_shared_prompt_make_the_replica_root_first() -> None
         assert not index.root_first("r") and learner.learns_order("r")
         # predicted 120 (8 of the 10 blocks a holds alone), reported the shared prompt's 40
         learner.observe("r", "m", UsageReport(140, 40), prompt_bytes=0, predicted_cached=120,
-                        prefix_blocks=a, match_split=(12, 4))
+                        prefix_blocks=a, match_split=(12, 4, True))
     assert index.root_first("r") and not learner.learns_order("r")
-    assert index.capacity_tokens("r") == capacity  # the misses taught no smaller capacity
+    # the order explains these misses: they taught no smaller capacity
+    assert index.capacity_tokens("r") == capacity and learner.learned_capacity("r") is None
+
+
+def test_a_root_first_miss_of_a_conversation_the_index_held_whole_is_a_capacity() -> None:
+    index, a = _trimmed_index()
+    learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    learner.observe("r", "m", UsageReport(140, 40), prompt_bytes=0, predicted_cached=120,
+                    prefix_blocks=a, match_split=(12, 4, False))
+    assert learner.order_votes("r") == (1, 0)
+    assert learner.learned_capacity("r") is not None  # the engine holds less than the index
 
 
 def test_a_radix_engines_partial_hits_keep_the_replica_leaf_first() -> None:
@@ -83,14 +93,15 @@ def test_a_radix_engines_partial_hits_keep_the_replica_leaf_first() -> None:
     for i in range(24):
         shared_only = i % 4 == 0  # now and then the engine had evicted more than the index did
         learner.observe("r", "m", UsageReport(140, 40 if shared_only else 100), prompt_bytes=0,
-                        predicted_cached=120, prefix_blocks=a, match_split=(12, 4))
+                        predicted_cached=120, prefix_blocks=a, match_split=(12, 4, True))
     assert not index.root_first("r")
     assert learner.order_votes("r") == (6, 18)
     assert not learner.learns_order("r")  # settled: leaf first
-    # a match one block into the conversation tells nothing, nor does a report of about what
-    # the index matched, of between one and two blocks more than others hold, or of only
+    # a match one block into the conversation tells nothing, nor does a report of what the
+    # index matched or a block short of it, of between one and two blocks more than others hold, or of only
     # theirs where the index had matched under half of the conversation
-    for cached, match in ((40, (5, 4)), (140, (12, 4)), (55, (12, 4)), (40, (8, 4))):
+    for cached, match in ((40, (5, 4, True)), (140, (12, 4, True)), (110, (12, 4, True)),
+                          (55, (12, 4, True)), (40, (8, 4, True))):
         learner.observe("r", "m", UsageReport(140, cached), prompt_bytes=0, predicted_cached=50,
                         prefix_blocks=a, match_split=match)
     assert learner.order_votes("r") == (6, 18)
