@@ -19,16 +19,18 @@ caches flushed, the contender started, the same trace sessions replayed through 
   capacities and reuse bound, written to ``OUT/set-N/`` as a single run is, with the mean and range
   per contender over the sets in ``OUT/report.md`` and ``OUT/summary.json``. ``--points`` runs a
   list of points instead of the whole grid.
-- Contenders: kvrouter policies (``--policies``) and external routers (``--external
-  'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``: ``{port}``, ``{worker_urls}``,
-  ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
+- Contenders: kvrouter policies (``--policies``), kvrouter variants (``--variant 'NAME=POLICY
+  KEY=VALUE ...'``: a policy with router config settings, e.g. ``learning.eviction_order=leaf_first``)
+  and external routers (``--external 'NAME=TEMPLATE'``, placeholders as in ``kvrouter compare``:
+  ``{port}``, ``{worker_urls}``, ``{worker_url_flags}``, ``{python}``, ``{free_port}``).
 - Metrics per contender and point: the replicas' reported cache-hit rate (cached / prompt tokens
   from each response's usage, summed), TTFT p50/p95, ITL p50, failed requests, and the CPU seconds
   the router, each replica and the driver spent during the replay and the seconds each waited for
   a CPU (``cpu_s``, its ``wait`` the scheduler's run delay: on a shared host a contender's TTFT
   also pays for CPU the other processes take); with ``--records-dir``, for kvrouter contenders,
   ``router_split``: the time the router added to each request's TTFT (the client's TTFT minus the
-  router's own, joined by request id to its decision log); per point the trace's
+  router's own, joined by request id to its decision log) and ``cache_prediction``: the cached
+  tokens its KV index predicted against those the replicas reported; per point the trace's
   infinite-cache reuse bound; the verdict against the target is
   :mod:`live_sweep_report` (which also writes ``report.md`` and the chart).
 
@@ -57,11 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import code_version, portable_command  # noqa: E402
-from replay_accounting import cpu_split, router_split  # noqa: E402
+from replay_accounting import cache_prediction, cpu_split, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
-from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external  # noqa: E402
+from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external, parse_variant  # noqa: E402
 from kvrouter.loadtest.driver import run_load  # noqa: E402
 from kvrouter.loadtest.report import RequestRecord  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, RunningProcess, free_port, wait_ready  # noqa: E402
@@ -131,6 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default="coding-agent,prefix_aware,consistent_hash",
                    help="kvrouter policies (the first is the one judged)")
     p.add_argument("--external", action="append", default=[], metavar="'NAME=COMMAND TEMPLATE'")
+    p.add_argument("--variant", action="append", default=[], metavar="'NAME=POLICY KEY=VALUE ...'",
+                   help="kvrouter with a policy and router config settings (dotted keys, YAML "
+                   "values), a baseline beside --policies: 'ca_leaf_first=coding-agent "
+                   "learning.eviction_order=leaf_first'")
     p.add_argument("--time-scale", type=float, default=16.0, help="model seconds per wall second")
     p.add_argument("--run-timeout", type=float, default=300.0, help="wall seconds one replay may take")
     p.add_argument("--out-dir", default="live-sweep")
@@ -154,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--session-sets: no such set: {', '.join(map(str, missing))}")
     try:
         args.externals = [parse_external(e) for e in args.external]
+        args.variants = [parse_variant(v) for v in args.variant]
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -293,11 +300,13 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         cpu = cpu_split(proc.popen.pid, pids, cpu_before)
     finally:
         group.stop([proc])
-    split = None
+    split = prediction = None
     if keep is not None:
         names = {u.rstrip("/"): f"replica{i}" for i, u in enumerate(urls)}
         write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
-        split = router_split(records, keep / f"{records_stem(point, c.name)}.decisions.jsonl", args.time_scale)
+        decisions = keep / f"{records_stem(point, c.name)}.decisions.jsonl"
+        split = router_split(records, decisions, args.time_scale)
+        prediction = cache_prediction(decisions)
     result = report["results"][c.name]
     print(f"{label} {c.name}: hit {result['cache_hit_rate']}, ttft p95 {result['ttft_p95_s']}, "
           f"failed {result['requests_failed']}, {wall:.0f} s, CPU s router {cpu['router']}, "
@@ -308,12 +317,13 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
         print(f"{label} {c.name}: router-added time to first token, wall ms: p50 {split['added_ms_p50']}, "
               f"mean {split['added_ms_mean']} (handler to replica write p50 {split['routed_ms_p50']})",
               file=sys.stderr, flush=True)
-    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu, **({"router_split": split} if split else {})}
+    return {**result, "wall_s": round(wall, 1), "cpu_s": cpu, **({"router_split": split} if split else {}),
+            **({"cache_prediction": prediction} if prediction else {})}
 
 
 async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, float],
                 group: ProcessGroup, tmp: Path) -> list[dict[str, Any]]:
-    contenders = [Contender(name=p, policy=p) for p in args.policies] + args.externals
+    contenders = [Contender(name=p, policy=p) for p in args.policies] + args.variants + args.externals
     points = args.points or [
         Point(k, cap, cpt) for k in args.kinds for cap in args.capacities for cpt in args.chars_per_token
     ]
@@ -363,7 +373,7 @@ def sweep_traces(args: argparse.Namespace, traces: list[str]) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - t0, 1),
         "judged": args.policies[0],
         "peers": [c.name for c in args.externals],
-        "baselines": args.policies[1:],
+        "baselines": args.policies[1:] + [v.name for v in args.variants],
         "replicas": args.replicas,
         "time_scale": args.time_scale,
         "trace": {

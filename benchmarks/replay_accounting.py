@@ -4,6 +4,8 @@
   seconds each waited for a CPU (the scheduler's run delay), process trees read from /proc.
 - :func:`router_split`: the time a kvrouter contender added to each request's time to first
   token, the client's records joined by request id to the router's decision log.
+- :func:`cache_prediction`: how well a kvrouter contender's KV index predicted the cached
+  tokens the replicas then reported, from its decision log.
 """
 
 from __future__ import annotations
@@ -110,3 +112,28 @@ def router_split(records: list[RequestRecord], decisions: Path, time_scale: floa
     return {"requests": len(added), "added_ms_p50": round(statistics.median(added), 2),
             "added_ms_mean": round(statistics.fmean(added), 2),
             "routed_ms_p50": round(statistics.median(routed), 2) if routed else None}
+
+
+def cache_prediction(decisions: Path) -> dict[str, Any] | None:
+    """The cached tokens the router's KV index predicted against those the replicas reported,
+    over the decision log's requests with a report, as shares of the reported prompt tokens:
+    `over_predicted` = predicted - reported (the index's cached-token miss). A prediction is
+    scaled from the router's prompt-size estimate to the replica's tokens (the two differ until
+    the bytes-per-token estimate has its first report). None without a decision log or a report."""
+    if not decisions.exists():
+        return None
+    predicted = reported = prompt = requests = 0.0
+    for line in decisions.read_bytes().splitlines():
+        row = orjson.loads(line)
+        told, cached = row.get("reported_prompt_tokens"), row.get("reported_cached")
+        if not told or cached is None or row.get("predicted_cached") is None or not row.get("prompt_tokens"):
+            continue
+        predicted += row["predicted_cached"] * told / row["prompt_tokens"]
+        reported += cached
+        prompt += told
+        requests += 1
+    if not prompt:
+        return None
+    return {"requests": int(requests), "predicted_hit_rate": round(predicted / prompt, 4),
+            "reported_hit_rate": round(reported / prompt, 4),
+            "over_predicted": round((predicted - reported) / prompt, 4)}

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from .compare_config import CompareConfig, Contender, RunData, expand_template
+from .compare_config import CompareConfig, Contender, RunData, expand_template, with_settings
 from .compare_report import build_compare_report
 from .driver import run_load
 from .process_group import CompareError, ProcessGroup, RunningProcess, free_port, wait_ready
@@ -93,7 +93,8 @@ def _say_stderr(line: str) -> None:
 
 
 def _router_config_file(path: Path, policy: str, port: int, urls: Sequence[str],
-                        observability: dict[str, Any] | None = None) -> None:
+                        observability: dict[str, Any] | None = None,
+                        settings: Sequence[tuple[str, Any]] = ()) -> None:
     data: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port, "replica_header": True},
         "replicas": list(urls),
@@ -101,7 +102,7 @@ def _router_config_file(path: Path, policy: str, port: int, urls: Sequence[str],
     }
     if observability:
         data["observability"] = observability
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.safe_dump(with_settings(data, settings), sort_keys=False))
 
 
 async def _start_replicas(
@@ -142,7 +143,7 @@ async def _start_contender(
     base = f"http://127.0.0.1:{port}"
     if c.template is None:
         conf = tmp / f"router-{c.name}.yaml"
-        _router_config_file(conf, c.policy or c.name, port, urls, observability)
+        _router_config_file(conf, c.policy or c.name, port, urls, observability, c.settings)
         argv = [sys.executable, "-m", "kvrouter.cli", "serve", "--config", str(conf),
                 "--policy", c.policy or c.name]
         proc = group.start(c.name, argv)

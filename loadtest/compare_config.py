@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from .process_group import free_port
 from .report import RequestRecord
 
@@ -24,6 +26,8 @@ __all__ = [
     "CompareConfig",
     "RunData",
     "parse_external",
+    "parse_variant",
+    "with_settings",
     "expand_template",
     "contender_key",
 ]
@@ -36,6 +40,9 @@ class Contender:
     name: str
     policy: str | None = None
     template: str | None = None
+    # Router config settings for a policy contender, as (dotted key, value) pairs: a variant of
+    # the router, such as ("learning.eviction_order", "leaf_first").
+    settings: tuple[tuple[str, Any], ...] = ()
 
     @property
     def kind(self) -> str:
@@ -53,6 +60,38 @@ def parse_external(spec: str) -> Contender:
     if "{port}" not in template:
         raise ValueError(f"--external {spec!r}: the template must use {{port}}")
     return Contender(name=name, template=template)
+
+
+def parse_variant(spec: str) -> Contender:
+    """``NAME=POLICY KEY=VALUE ...``: the router with `POLICY` and config settings, each a
+    dotted key (``learning.eviction_order``) and a YAML value."""
+    name, sep, rest = spec.partition("=")
+    name = name.strip()
+    words = rest.split()
+    if not sep or not name or not words:
+        raise ValueError(f"--variant {spec!r}: expected NAME=POLICY KEY=VALUE ...")
+    if "@" in name or "/" in name:
+        raise ValueError(f"--variant {spec!r}: NAME must not contain '@' or '/'")
+    settings = []
+    for word in words[1:]:
+        key, eq, value = word.partition("=")
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"--variant {spec!r}: {word!r} is not KEY=VALUE")
+        settings.append((key, yaml.safe_load(value)))
+    return Contender(name=name, policy=words[0], settings=tuple(settings))
+
+
+def with_settings(data: dict[str, Any], settings: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """`data` (a router config) with each dotted key set to its value."""
+    for key, value in settings:
+        *path, last = key.split(".")
+        section = data
+        for part in path:
+            section = section.setdefault(part, {})
+            if not isinstance(section, dict):
+                raise ValueError(f"setting {key!r}: {part!r} is not a section")
+        section[last] = value
+    return data
 
 
 def expand_template(template: str, port: int, worker_urls: Sequence[str]) -> list[str]:

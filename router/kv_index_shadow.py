@@ -21,7 +21,7 @@ Synchronous and lock-free: the event loop is the only writer.
 from __future__ import annotations
 
 from collections.abc import KeysView, Sequence
-from itertools import count, repeat
+from itertools import compress, count, islice, repeat
 
 from ..policies.cost import DEFAULT_CAPACITY_TOKENS
 from .block_holders import BlockHolders, match_prefix
@@ -257,6 +257,14 @@ class ShadowKVIndex:
     def root_first(self, replica: str) -> bool:
         return replica in self._root_first
 
+    def fill(self, replica: str) -> float:
+        """The share of the replica's capacity the index holds blocks in."""
+        state = self._replicas.get(replica)
+        if state is None:
+            return 0.0
+        limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
+        return len(state.owner) / max(1, limit)
+
     def _drop_run(self, state: _ReplicaBlocks, replica: str, run: _Run) -> None:
         owner, rid = state.owner, run.rid
         gone = [b for b in run.chain[: run.top] if owner.get(b) == rid]
@@ -285,7 +293,9 @@ class ShadowKVIndex:
                 hi = mid
         rid = owner[chain[lo]]
         matched = lo + 1
-        others = next((i for i in range(matched) if owner[chain[i]] == rid), matched)
+        # the first matched block the run holds, found in C (asked of most accepted requests)
+        runs_of = map(owner.__getitem__, islice(chain, matched))
+        others = next(compress(count(), map(rid.__eq__, runs_of)), matched)
         return matched, others, state.runs[rid].trimmed
 
     def forget(self, replica: str) -> None:

@@ -64,6 +64,7 @@ FOLLOW_STEP = 0.01
 ROOT_FIRST_MIN_VOTES = 3
 ROOT_FIRST_MAJORITY = 4
 LEAF_FIRST_SETTLED = 16
+ORDER_MIN_FILL = 0.5
 # A root-first vote needs the index to have matched at least this share of the conversation's
 # own blocks in the prompt.
 ROOT_VOTE_KEPT = 0.5
@@ -133,10 +134,13 @@ class UsageLearner:
         return est.value if est is not None else DEFAULT_BYTES_PER_TOKEN
 
     def learns_order(self, replica: str) -> bool:
-        """Whether a request's `match_split` is still worth taking for `replica` (the shadow
-        index only, until the replica's order is settled either way)."""
-        return (self.learn_order and self.index is not None and replica not in self._order_settled
-                and not self.index.root_first(replica))
+        """Whether a request's `match_split` (~10 us for a 100k-token prompt) is worth taking
+        for `replica`: the shadow index only, until the replica's order is settled either way,
+        and while the index holds at least ORDER_MIN_FILL of its capacity (an engine evicts
+        only with its pool full; the index's idea of it is seldom far below)."""
+        index = self.index
+        return (self.learn_order and index is not None and replica not in self._order_settled
+                and not index.root_first(replica) and index.fill(replica) >= ORDER_MIN_FILL)
 
     def match_split(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int] | None:
         assert self.index is not None

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvrouter.cli import main
 from kvrouter.loadtest.compare import run_compare
 from kvrouter.loadtest.compare_charts import CHART_FILES
-from kvrouter.loadtest.compare_config import CompareConfig, expand_template, parse_external
+from kvrouter.loadtest.compare_config import CompareConfig, expand_template, parse_external, parse_variant
 from kvrouter.loadtest.process_group import CompareError, ProcessGroup
 from kvrouter.loadtest.report import RESULT_KEYS
 
@@ -129,6 +130,27 @@ def test_expand_template_placeholders() -> None:
 def test_parse_external_rejects(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_external(spec)
+
+
+def test_a_variant_is_the_router_with_config_settings(tmp_path: Path) -> None:
+    from kvrouter.loadtest.compare import _router_config_file
+    from kvrouter.router.config import parse_config
+
+    v = parse_variant("ca_leaf=coding-agent learning.eviction_order=leaf_first routing.shadow_sample=0.5")
+    assert (v.name, v.policy, v.kind) == ("ca_leaf", "coding-agent", "policy")
+    assert v.settings == (("learning.eviction_order", "leaf_first"), ("routing.shadow_sample", 0.5))
+    conf = tmp_path / "router.yaml"
+    _router_config_file(conf, v.policy, 8000, ["http://127.0.0.1:1"], {"decision_log": "d.jsonl"}, v.settings)
+    config = parse_config(yaml.safe_load(conf.read_text()))
+    assert config.learning.eviction_order == "leaf_first" and config.routing.shadow_sample == 0.5
+    assert config.observability.decision_log == "d.jsonl" and config.server.replica_header
+
+
+@pytest.mark.parametrize("spec", ["noequals", "=coding-agent", "name=", "a@b=coding-agent",
+                                  "n=coding-agent novalue", "n=coding-agent .x=1", "n=coding-agent a..b=1"])
+def test_parse_variant_rejects(spec: str) -> None:
+    with pytest.raises(ValueError):
+        parse_variant(spec)
 
 
 def test_process_group_kills_grandchildren(tmp_path: Path) -> None:

@@ -162,3 +162,13 @@ async def test_leaf_first_keeps_the_index_trimming_from_the_end(start_app, start
                                      learning={"eviction_order": "leaf_first"})
     await _replay(url, conversations=8, turns=150)
     assert not router.index.root_first(up) and router.learner.order_votes(up) == (0, 0)
+
+
+def test_the_order_is_asked_about_only_while_the_index_is_at_least_half_full() -> None:
+    index = ShadowKVIndex(block_tokens=10, default_capacity_tokens=400)  # 40 blocks
+    learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    index.record("r", _conversation(1, 10))  # 14 blocks
+    assert not learner.learns_order("r")  # an engine this empty evicts nothing
+    index.record("r", _conversation(2, 10))  # 24
+    assert learner.learns_order("r")
+    assert not UsageLearner(block_chars=40, index=index, learn_order=False).learns_order("r")

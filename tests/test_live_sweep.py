@@ -30,6 +30,7 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         "--max-requests", "2", "--replicas", "2", "--kinds", "mini", "--capacities", "2",
         "--chars-per-token", "1.5", "--policies", "consistent_hash", "--time-scale", "50",
         "--external", "fake={python} -m kvrouter.cli serve {worker_url_flags} --port {port} --policy round_robin",
+        "--variant", "ch_leaf=consistent_hash learning.eviction_order=leaf_first",
         "--out-dir", str(out), "--records-dir", str(out / "records"),
     ]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=50)
@@ -39,7 +40,10 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
     assert 0 < data["trace"]["reuse_bound"] < 1
     [point] = data["points"]
     assert point["kind"] == "mini" and point["chars_per_token"] == 1.5
-    for name in ("consistent_hash", "fake"):
+    assert data["baselines"] == ["ch_leaf"] and data["peers"] == ["fake"]
+    # a variant is a kvrouter contender: its decision log is kept with the records
+    assert (out / "records" / "mini-cap2-cpt1.5-ch_leaf.decisions.jsonl").stat().st_size > 0
+    for name in ("consistent_hash", "ch_leaf", "fake"):
         r = point["results"][name]
         assert r["requests_ok"] == 4 and r["requests_failed"] == 0
         assert 0 < r["cache_hit_rate"] < 1  # turn 2 of each session hits its turn 1
