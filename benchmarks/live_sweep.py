@@ -63,7 +63,8 @@ from replay_accounting import cache_prediction, cpu_split, router_split  # noqa:
 from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
-from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external, parse_variant  # noqa: E402
+from kvrouter.loadtest.compare_config import CompareConfig, Contender, parse_external, parse_variant, with_settings  # noqa: E402
+from kvrouter.router.config import ConfigError, parse_config  # noqa: E402
 from kvrouter.loadtest.driver import run_load  # noqa: E402
 from kvrouter.loadtest.report import RequestRecord  # noqa: E402
 from kvrouter.loadtest.process_group import ProcessGroup, RunningProcess, free_port, wait_ready  # noqa: E402
@@ -161,8 +162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.externals = [parse_external(e) for e in args.external]
         args.variants = [parse_variant(v) for v in args.variant]
-    except ValueError as exc:
+        for v in args.variants:  # a bad setting fails here, not once the replicas are up
+            parse_config(with_settings({"replicas": ["http://127.0.0.1:1"]}, v.settings))
+    except (ValueError, ConfigError) as exc:
         p.error(str(exc))
+    names = args.policies + [c.name for c in args.variants + args.externals]
+    if len(set(names)) != len(names):
+        p.error(f"contender names must differ: {', '.join(names)}")
     return args
 
 

@@ -77,7 +77,10 @@ def parse_variant(spec: str) -> Contender:
         key, eq, value = word.partition("=")
         if not eq or not key or any(not part for part in key.split(".")):
             raise ValueError(f"--variant {spec!r}: {word!r} is not KEY=VALUE")
-        settings.append((key, yaml.safe_load(value)))
+        try:
+            settings.append((key, yaml.safe_load(value)))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--variant {spec!r}: {word!r}: {exc}") from None
     return Contender(name=name, policy=words[0], settings=tuple(settings))
 
 

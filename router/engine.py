@@ -110,6 +110,8 @@ class RoutingEngine:
         # rehomed by the policy (with a shared store, other routers see the same).
         self.registry.remove(url)
         self.index.forget(url)
+        if self.learner is not None:
+            self.learner.forget_order(url)
         if self.ranks is not None:
             self.ranks.forget(url)
         self.fresh_since.pop(url, None)

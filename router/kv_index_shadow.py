@@ -267,7 +267,7 @@ class ShadowKVIndex:
 
     def _drop_run(self, state: _ReplicaBlocks, replica: str, run: _Run) -> None:
         owner, rid = state.owner, run.rid
-        gone = [b for b in run.chain[: run.top] if owner.get(b) == rid]
+        gone = [b for b in dict.fromkeys(run.chain[: run.top]) if owner.get(b) == rid]  # a hash twice: once
         for block in gone:
             del owner[block]
         self._holders.discard_many(gone, replica)
@@ -300,6 +300,7 @@ class ShadowKVIndex:
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""
+        self._root_first.discard(replica)
         state = self._replicas.pop(replica, None)
         if state is not None:
             for block in state.owner:

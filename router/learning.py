@@ -18,15 +18,16 @@ side: fed by `Placement.reported` after a response, read when a request is summa
   cached it again.
 - Eviction order: the index trims a conversation from its end, as SGLang's radix cache evicts
   leaves. An engine keeping a plain LRU of pages touched root first evicts it from its root, and
-  nothing past the root matches then. A reported hit at least two blocks short of the index's
-  match votes (`ShadowKVIndex.match_split`): only what other conversations hold of the prompt
-  (a shared system prompt), where the index held at least half of the conversation, is a
-  root-first engine's answer; the conversation's first blocks without its end, a leaf-first
-  one's. With ROOT_FIRST_MIN_VOTES root-first votes and ROOT_FIRST_MAJORITY times as many as
-  leaf-first ones the index evicts that replica's conversations whole from then on;
+  nothing past the root matches then. A reported hit clearly short of the index's match votes
+  (`ShadowKVIndex.match_split`), where the index had begun to evict that conversation (trimmed
+  it) and still held at least half of it: only what other conversations hold of the prompt (a
+  shared system prompt) is a root-first engine's answer; the conversation's first blocks without
+  its end, a leaf-first one's. With ROOT_FIRST_MIN_VOTES root-first votes and
+  ROOT_FIRST_MAJORITY times as many as leaf-first ones the index evicts that replica's
+  conversations whole from then on (such a miss is not taken for a smaller capacity);
   LEAF_FIRST_SETTLED leaf-first votes, at least as many as root-first ones, settle it the other
-  way (no more asking). A miss the order explains (the index had trimmed that conversation, the
-  engine lost it all) is not taken for a smaller capacity.
+  way (no more asking). A report that lost even what other conversations hold (a flush, a
+  restart) starts the learning anew.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ MIN_CALIBRATION_BYTES = 256
 MIN_OWN_REPORTS = 16
 # Replicas following their model's ratio get its new value when it moved by more than this.
 FOLLOW_STEP = 0.01
-# Votes that make a replica's engine root-first. A leaf-first engine evicting a whole
+# Votes that make a replica's engine root-first. A leaf-first engine evicting the rest of a
 # conversation at once (a large prompt needing the room) would vote root-first too, so few
 # leaf-first votes may come with them: a root-first engine never keeps a conversation's start
 # without its end (but where a sibling conversation holds the start). Live, the simulated radix
@@ -65,6 +66,9 @@ ROOT_FIRST_MIN_VOTES = 3
 ROOT_FIRST_MAJORITY = 4
 LEAF_FIRST_SETTLED = 16
 ORDER_MIN_FILL = 0.5
+# A shortfall votes only past this share of the match (and two blocks): the calibrated block
+# size is off by a percent or so, which is many blocks of a long prompt.
+ORDER_SHORTFALL = 0.02
 # A root-first vote needs the index to have matched at least this share of the conversation's
 # own blocks in the prompt.
 ROOT_VOTE_KEPT = 0.5
@@ -135,14 +139,15 @@ class UsageLearner:
 
     def learns_order(self, replica: str) -> bool:
         """Whether a request's `match_split` (~10 us for a 100k-token prompt) is worth taking
-        for `replica`: the shadow index only, until the replica's order is settled either way,
-        and while the index holds at least ORDER_MIN_FILL of its capacity (an engine evicts
-        only with its pool full; the index's idea of it is seldom far below)."""
+        for `replica`: the shadow index only, until the replica is settled leaf-first (a
+        root-first one is still asked: a flush or restart learns its order again), and while
+        the index holds at least ORDER_MIN_FILL of its capacity (an engine evicts only with its
+        pool full; the index's idea of it is seldom far below)."""
         index = self.index
         return (self.learn_order and index is not None and replica not in self._order_settled
-                and not index.root_first(replica) and index.fill(replica) >= ORDER_MIN_FILL)
+                and index.fill(replica) >= ORDER_MIN_FILL)
 
-    def match_split(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int] | None:
+    def match_split(self, replica: str, prefix_blocks: Sequence[int]) -> tuple[int, int, bool] | None:
         assert self.index is not None
         return self.index.match_split(replica, prefix_blocks)
 
@@ -231,32 +236,53 @@ class UsageLearner:
         """A reported hit short of the index's match (`matched` blocks, `others` of them held by
         other conversations; the conversation the match ends in `trimmed` by the index) votes
         for the engine's eviction order. True if the order explains the miss: a root-first vote
-        on a conversation the index had trimmed (one it held whole, the engine evicting it
-        anyway, is a capacity the index does not know)."""
+        (the index had trimmed that conversation; one it held whole, the engine evicting it
+        anyway, is a capacity the index does not know, or a flush, and does not vote)."""
         index = self.index
         assert index is not None
         block = index.block_tokens_of(replica)
         matched, others, trimmed = match_split
+        if others >= 2 and reported < (others - 1) * block:
+            # It lost even what other, recently used conversations hold: a flush or a restart,
+            # which tells nothing of the order (and may be another engine now).
+            self.forget_order(replica)
+            return False
         own = matched - others  # the matched blocks only the conversation the match ends in held
-        if own < 2 or reported > (matched - 2) * block:
+        short = max(2.0, ORDER_SHORTFALL * matched)  # what calibration and page rounding explain
+        if own < 4 or reported > (matched - short) * block:
             return False  # too little of it its own, or the engine kept about what the index said
         votes = self._order_votes.setdefault(replica, [0, 0])
         if reported <= (others + 1) * block:
-            if own < ROOT_VOTE_KEPT * (prompt_blocks - others):
-                return False  # most of it gone in the index too: either order
+            if not trimmed or own < ROOT_VOTE_KEPT * (prompt_blocks - others):
+                return False  # held whole by the index, or mostly gone from it too: either order
             votes[0] += 1
-            if votes[0] >= ROOT_FIRST_MIN_VOTES and votes[0] >= ROOT_FIRST_MAJORITY * votes[1]:
-                index.set_root_first(replica)
-                if self.metrics is not None:
-                    self.metrics.child(self.metrics.kv_root_first, replica).set(1)
+            if (not index.root_first(replica) and votes[0] >= ROOT_FIRST_MIN_VOTES
+                    and votes[0] >= ROOT_FIRST_MAJORITY * votes[1]):
+                self._set_root_first(replica, True)
                 log.info("replica %s evicts conversations from their root (%d votes to %d): its "
                          "index entries follow", replica, votes[0], votes[1])
-            return trimmed
+            return True
         if reported >= (others + 2) * block:  # its start kept, its end gone: leaf first
             votes[1] += 1
             if votes[1] >= LEAF_FIRST_SETTLED and votes[1] >= votes[0]:
                 self._order_settled.add(replica)
         return False
+
+    def _set_root_first(self, replica: str, root_first: bool) -> None:
+        assert self.index is not None
+        self.index.set_root_first(replica, root_first)
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.kv_root_first, replica).set(int(root_first))
+
+    def forget_order(self, replica: str) -> None:
+        """Start learning the replica's eviction order anew (it was flushed, restarted or
+        removed), leaf first until its reports show otherwise."""
+        self._order_votes.pop(replica, None)
+        self._order_settled.discard(replica)
+        if self.index is not None and self.index.root_first(replica):
+            self._set_root_first(replica, False)
+            log.info("replica %s lost even its shared prefixes (flushed or restarted): its "
+                     "eviction order is learnt again", replica)
 
     def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
         """Learn the replica's effective capacity from a cache hit the index got wrong by a

@@ -363,9 +363,10 @@ class Placement:
         summary, url = self.summary, self.url
         if summary.prefix_blocks:
             learner = self.engine.learner
-            if learner is not None and learner.learns_order(url):
+            if learner is not None and self.target is None and learner.learns_order(url):
                 # Before the record takes the prompt's blocks: whose they were tells, with the
-                # reported hit, the engine's eviction order.
+                # reported hit, the engine's eviction order (a hinted target has no prediction
+                # to compare the hit with).
                 self._match_split = learner.match_split(url, summary.prefix_blocks)
             self.engine.index.record(url, summary.prefix_blocks)
             if self.engine.on_record is not None:

@@ -147,7 +147,8 @@ def test_a_variant_is_the_router_with_config_settings(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("spec", ["noequals", "=coding-agent", "name=", "a@b=coding-agent",
-                                  "n=coding-agent novalue", "n=coding-agent .x=1", "n=coding-agent a..b=1"])
+                                  "n=coding-agent novalue", "n=coding-agent .x=1", "n=coding-agent a..b=1",
+                                  "n=coding-agent x=[1"])
 def test_parse_variant_rejects(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_variant(spec)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 
 from .benchmark_modules import load_benchmark
 
@@ -225,3 +226,15 @@ def test_the_driver_s_cpu_wait_counts_the_driver_alone_not_the_router_and_replic
         child.wait()
     assert os.getpid() not in asked and asked == [child.pid]
     assert split["wait"]["driver"] >= 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "v=coding-agent learning.eviction_order=sometimes"], "eviction_order"),
+    (["--variant", "v=coding-agent no_such_section.x=1"], "no_such_section"),
+    (["--variant", "coding-agent=coding-agent learning.calibrate=false"], "must differ"),
+])
+def test_a_bad_variant_is_refused_before_anything_starts(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_benchmark("live_sweep").parse_args(argv)
+    assert message in capsys.readouterr().err
