@@ -55,24 +55,29 @@ class _ReplicaBlocks:
         self.owner: dict[int, int] = {}
         self.runs: dict[int, _Run] = {}
 
+    def last_held(self, chain: Sequence[int]) -> int:
+        """The position of the deepest block of `chain` this replica holds; -1: none."""
+        owner = self.owner
+        if chain[-1] in owner:
+            return len(chain) - 1
+        if chain[0] not in owner:
+            return -1
+        lo, hi = 0, len(chain) - 1  # blocks are held prefix-closed: bisect for the last held one
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if chain[mid] in owner:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def extendable(self, chain: tuple[int, ...]) -> _Run | None:
         """The run holding the deepest block of `chain` this replica holds, if `chain` extends
         (or equals) everything that run covers."""
-        owner = self.owner
-        if chain[-1] in owner:
-            deepest = chain[-1]
-        elif chain[0] not in owner:
+        last = self.last_held(chain)
+        if last < 0:
             return None
-        else:  # blocks are held prefix-closed: bisect for the last held one
-            lo, hi = 0, len(chain) - 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if chain[mid] in owner:
-                    lo = mid
-                else:
-                    hi = mid
-            deepest = chain[lo]
-        run = self.runs[owner[deepest]]
+        run = self.runs[self.owner[chain[last]]]
         top, held = run.top, run.chain
         if top > len(chain):
             return None
@@ -281,22 +286,16 @@ class ShadowKVIndex:
         that evicts from the end keeps its first blocks: a reported hit short of the match tells
         the two orders apart (router/learning.py). None: no match."""
         state = self._replicas.get(replica)
-        if state is None or not chain or chain[0] not in state.owner:
+        last = state.last_held(chain) if state is not None and chain else -1
+        if last < 0:
             return None
-        owner = state.owner
-        lo, hi = 0, len(chain)  # blocks are held prefix-closed: the last held one by bisection
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if chain[mid] in owner:
-                lo = mid
-            else:
-                hi = mid
-        rid = owner[chain[lo]]
-        matched = lo + 1
+        owner = state.owner  # type: ignore[union-attr]
+        rid = owner[chain[last]]
+        matched = last + 1
         # the first matched block the run holds, found in C (asked of most accepted requests)
         runs_of = map(owner.__getitem__, islice(chain, matched))
         others = next(compress(count(), map(rid.__eq__, runs_of)), matched)
-        return matched, others, state.runs[rid].trimmed
+        return matched, others, state.runs[rid].trimmed  # type: ignore[union-attr]
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""
