@@ -163,7 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.externals = [parse_external(e) for e in args.external]
         args.variants = [parse_variant(v) for v in args.variant]
         for v in args.variants:  # a bad setting fails here, not once the replicas are up
-            parse_config(with_settings({"replicas": ["http://127.0.0.1:1"]}, v.settings))
+            parse_config(with_settings({"replicas": ["http://127.0.0.1:1"],
+                                        "policy": {"name": v.policy, "params": {}}}, v.settings))
     except (ValueError, ConfigError) as exc:
         p.error(str(exc))
     names = args.policies + [c.name for c in args.variants + args.externals]

@@ -144,8 +144,8 @@ async def _start_contender(
     if c.template is None:
         conf = tmp / f"router-{c.name}.yaml"
         _router_config_file(conf, c.policy or c.name, port, urls, observability, c.settings)
-        argv = [sys.executable, "-m", "kvrouter.cli", "serve", "--config", str(conf),
-                "--policy", c.policy or c.name]
+        # The policy is the config file's (a --policy flag would drop a variant's params).
+        argv = [sys.executable, "-m", "kvrouter.cli", "serve", "--config", str(conf)]
         proc = group.start(c.name, argv)
         await wait_ready(http, proc, base, "/ready", cfg.ready_timeout_s, lambda s: s == 200)
     else:

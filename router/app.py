@@ -101,7 +101,9 @@ class Router:
         self.learner = UsageLearner(
             block_chars=config.routing.block_chars, weight=learn.ewma_weight, calibrate=learn.calibrate,
             index=self.index if isinstance(self.index, ShadowKVIndex) else None, metrics=self.metrics,
-            learn_order=learn.eviction_order == "learn",
+            # With DP attention a request may land on another rank than the conversation's,
+            # whose hit looks like an eviction: the order is not learnt there.
+            learn_order=learn.eviction_order == "learn" and config.routing.dp_size == 1,
         )
         dp_size = config.routing.dp_size
         rank_blocks = kv.page_size if kv.enabled else max(1, config.routing.block_chars // 4)

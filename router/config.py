@@ -190,8 +190,8 @@ class LearningConfig(_Strict):
     eviction_order: Literal["learn", "leaf_first"] = Field(
         "learn", description="How the shadow index evicts a replica's conversations: from their "
         "end, as SGLang's radix cache does, until the replica's reported cache hits show it "
-        "evicts them from their root (a plain LRU of pages), then whole (`learn`); or always "
-        "from their end (`leaf_first`).",
+        "evicts them from their root (a plain LRU of pages), then whole (`learn`; not with "
+        "routing.dp_size > 1); or always from their end (`leaf_first`).",
     )
     ewma_weight: float = Field(
         0.1, gt=0, le=1, description="Weight of each new report in the bytes-per-token and "

@@ -109,9 +109,9 @@ class RoutingEngine:
         # Sessions keep the gone replica as home: their next request sees it missing and is
         # rehomed by the policy (with a shared store, other routers see the same).
         self.registry.remove(url)
-        self.index.forget(url)
         if self.learner is not None:
             self.learner.forget_order(url)
+        self.index.forget(url)
         if self.ranks is not None:
             self.ranks.forget(url)
         self.fresh_since.pop(url, None)

@@ -56,7 +56,7 @@ class _ReplicaBlocks:
         self.runs: dict[int, _Run] = {}
 
     def last_held(self, chain: Sequence[int]) -> int:
-        """The position of the deepest block of `chain` this replica holds; -1: none."""
+        """The position of the deepest block of `chain` (not empty) this replica holds; -1: none."""
         owner = self.owner
         if chain[-1] in owner:
             return len(chain) - 1
@@ -286,16 +286,18 @@ class ShadowKVIndex:
         that evicts from the end keeps its first blocks: a reported hit short of the match tells
         the two orders apart (router/learning.py). None: no match."""
         state = self._replicas.get(replica)
-        last = state.last_held(chain) if state is not None and chain else -1
+        if state is None or not chain:
+            return None
+        last = state.last_held(chain)
         if last < 0:
             return None
-        owner = state.owner  # type: ignore[union-attr]
+        owner = state.owner
         rid = owner[chain[last]]
         matched = last + 1
         # the first matched block the run holds, found in C (asked of most accepted requests)
         runs_of = map(owner.__getitem__, islice(chain, matched))
         others = next(compress(count(), map(rid.__eq__, runs_of)), matched)
-        return matched, others, state.runs[rid].trimmed  # type: ignore[union-attr]
+        return matched, others, state.runs[rid].trimmed
 
     def forget(self, replica: str) -> None:
         """Drop a replica entirely (removed, flushed)."""

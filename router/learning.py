@@ -19,15 +19,16 @@ side: fed by `Placement.reported` after a response, read when a request is summa
 - Eviction order: the index trims a conversation from its end, as SGLang's radix cache evicts
   leaves. An engine keeping a plain LRU of pages touched root first evicts it from its root, and
   nothing past the root matches then. A reported hit clearly short of the index's match votes
-  (`ShadowKVIndex.match_split`), where the index had begun to evict that conversation (trimmed
-  it) and still held at least half of it: only what other conversations hold of the prompt (a
-  shared system prompt) is a root-first engine's answer; the conversation's first blocks without
-  its end, a leaf-first one's. With ROOT_FIRST_MIN_VOTES root-first votes and
-  ROOT_FIRST_MAJORITY times as many as leaf-first ones the index evicts that replica's
-  conversations whole from then on (such a miss is not taken for a smaller capacity);
-  LEAF_FIRST_SETTLED leaf-first votes, at least as many as root-first ones, settle it the other
-  way (no more asking). A report that lost even what other conversations hold (a flush, a
-  restart) starts the learning anew.
+  (`ShadowKVIndex.match_split`): the conversation's first blocks without its end is a leaf-first
+  engine's answer; only what other conversations hold of the prompt (a shared system prompt) a
+  root-first one's, counted only where the index had begun to evict that conversation itself
+  (trimmed it) and still matched at least half of it (a conversation it held whole that the
+  engine lost says the engine holds less than the index thinks, whatever its order). With
+  ROOT_FIRST_MIN_VOTES root-first votes and ROOT_FIRST_MAJORITY times as many as leaf-first
+  ones the index evicts that replica's conversations whole from then on (such a miss is not
+  taken for a smaller capacity); LEAF_FIRST_SETTLED leaf-first votes, at least as many as
+  root-first ones, settle it leaf-first (no more asking). A report that lost most of what other
+  conversations hold (a flush, a restart) starts the learning anew.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ ORDER_MIN_FILL = 0.5
 # A shortfall votes only past this share of the match (and two blocks): the calibrated block
 # size is off by a percent or so, which is many blocks of a long prompt.
 ORDER_SHORTFALL = 0.02
+# A vote needs this many times that slack of the conversation's own matched blocks (room for
+# either answer), and a report of less than this share of what other conversations hold is a
+# flush or a restart, not an eviction (a root-first engine keeps what is in use).
+ORDER_MIN_OWN = 4
+FLUSH_KEPT = 0.5
 # A root-first vote needs the index to have matched at least this share of the conversation's
 # own blocks in the prompt.
 ROOT_VOTE_KEPT = 0.5
@@ -235,24 +241,27 @@ class UsageLearner:
                     prompt_blocks: int) -> bool:
         """A reported hit short of the index's match (`matched` blocks, `others` of them held by
         other conversations; the conversation the match ends in `trimmed` by the index) votes
-        for the engine's eviction order. True if the order explains the miss: a root-first vote
-        (the index had trimmed that conversation; one it held whole, the engine evicting it
-        anyway, is a capacity the index does not know, or a flush, and does not vote)."""
+        for the engine's eviction order. True if the miss is not the engine holding less than
+        the index thinks: a root-first vote, or a flush."""
         index = self.index
         assert index is not None
         block = index.block_tokens_of(replica)
         matched, others, trimmed = match_split
-        if others >= 2 and reported < (others - 1) * block:
-            # It lost even what other, recently used conversations hold: a flush or a restart,
-            # which tells nothing of the order (and may be another engine now).
+        if others >= 2 and reported < FLUSH_KEPT * others * block:
+            # It lost even most of what other, recently used conversations hold: a flush or a
+            # restart, which tells nothing of the order (and may be another engine now).
+            log.info("replica %s lost even its shared prefixes (flushed or restarted): its "
+                     "eviction order is learnt again", replica)
             self.forget_order(replica)
-            return False
+            return True
+        # Blocks the calibrated block size and page rounding can be off by: a vote needs a
+        # shortfall past them, and room for either answer within the conversation's own blocks.
+        slack = max(2.0, ORDER_SHORTFALL * matched)
         own = matched - others  # the matched blocks only the conversation the match ends in held
-        short = max(2.0, ORDER_SHORTFALL * matched)  # what calibration and page rounding explain
-        if own < 4 or reported > (matched - short) * block:
-            return False  # too little of it its own, or the engine kept about what the index said
+        if own < ORDER_MIN_OWN * slack or reported > (matched - slack) * block:
+            return False
         votes = self._order_votes.setdefault(replica, [0, 0])
-        if reported <= (others + 1) * block:
+        if reported <= (others + slack) * block:  # nothing past what others hold
             if not trimmed or own < ROOT_VOTE_KEPT * (prompt_blocks - others):
                 return False  # held whole by the index, or mostly gone from it too: either order
             votes[0] += 1
@@ -262,10 +271,12 @@ class UsageLearner:
                 log.info("replica %s evicts conversations from their root (%d votes to %d): its "
                          "index entries follow", replica, votes[0], votes[1])
             return True
-        if reported >= (others + 2) * block:  # its start kept, its end gone: leaf first
+        if reported >= (others + 2 * slack) * block:  # its start kept, its end gone: leaf first
             votes[1] += 1
             if votes[1] >= LEAF_FIRST_SETTLED and votes[1] >= votes[0]:
                 self._order_settled.add(replica)
+                if index.root_first(replica):  # it was wrong: back to what the index assumes
+                    self._set_root_first(replica, False)
         return False
 
     def _set_root_first(self, replica: str, root_first: bool) -> None:
@@ -281,8 +292,6 @@ class UsageLearner:
         self._order_settled.discard(replica)
         if self.index is not None and self.index.root_first(replica):
             self._set_root_first(replica, False)
-            log.info("replica %s lost even its shared prefixes (flushed or restarted): its "
-                     "eviction order is learnt again", replica)
 
     def _correct(self, replica: str, report: UsageReport, predicted: int) -> None:
         """Learn the replica's effective capacity from a cache hit the index got wrong by a

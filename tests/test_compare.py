@@ -144,6 +144,10 @@ def test_a_variant_is_the_router_with_config_settings(tmp_path: Path) -> None:
     config = parse_config(yaml.safe_load(conf.read_text()))
     assert config.learning.eviction_order == "leaf_first" and config.routing.shadow_sample == 0.5
     assert config.observability.decision_log == "d.jsonl" and config.server.replica_header
+    # a policy's params reach the router: its config file names the policy, no flag overrides it
+    _router_config_file(conf, "consistent_hash", 8000, ["http://127.0.0.1:1"], None,
+                        (("policy.params.vnodes", 8),))
+    assert parse_config(yaml.safe_load(conf.read_text())).policy.params == {"vnodes": 8}
 
 
 @pytest.mark.parametrize("spec", ["noequals", "=coding-agent", "name=", "a@b=coding-agent",

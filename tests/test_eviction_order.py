@@ -13,7 +13,12 @@ from kvrouter.loadtest.profiles import Profile, load_profile
 from kvrouter.loadtest.sim_server import build_app
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.router.kv_index_shadow import ShadowKVIndex
-from kvrouter.router.learning import ROOT_FIRST_MAJORITY, ROOT_FIRST_MIN_VOTES, UsageLearner
+from kvrouter.policies.domain import RequestSummary
+from kvrouter.policies.registry import build_policy
+from kvrouter.router.engine import RoutingEngine
+from kvrouter.router.learning import LEAF_FIRST_SETTLED, ROOT_FIRST_MIN_VOTES, UsageLearner
+from kvrouter.router.replicas import ReplicaRegistry
+from kvrouter.router.sessions import SessionTable
 from kvrouter.router.usage import UsageReport
 
 from .benchmark_modules import load_benchmark
@@ -110,13 +115,58 @@ def test_a_flush_or_restart_starts_the_learning_anew() -> None:
 def test_a_removed_replica_is_learnt_anew() -> None:
     index, a = _trimmed_index()
     learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    engine = RoutingEngine(build_policy("round_robin", {}), ReplicaRegistry(["r"]), index,
+                           SessionTable(), random.Random(0), learner=learner)
     for _ in range(ROOT_FIRST_MIN_VOTES):
         learner.observe("r", "m", UsageReport(140, 40), prompt_bytes=0, predicted_cached=120,
                         prefix_blocks=a, match_split=(12, 4, True))
     assert index.root_first("r")
-    index.forget("r")
-    learner.forget_order("r")
+    engine.remove_replica("r")
     assert not index.root_first("r") and learner.order_votes("r") == (0, 0)
+
+
+def test_a_hinted_target_takes_no_split() -> None:
+    index, a = _trimmed_index()
+    learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    engine = RoutingEngine(build_policy("round_robin", {}), ReplicaRegistry(["r"]), index,
+                           SessionTable(), random.Random(0), learner=learner)
+    summary = RequestSummary(route="/v1/completions", prompt_tokens=140, prefix_blocks=a)
+    for target, split in ((None, (5, 4, True)), ("r", None)):
+        placement = engine.place(summary, None, target)
+        placement.accepted()
+        assert placement._match_split == split
+        placement.done()
+
+
+def test_the_votes_allow_for_a_block_size_a_few_percent_off() -> None:
+    # 200 blocks matched, 40 of them a shared prompt: 2% of the match is 4 blocks of slack
+    index, _ = _trimmed_index()
+    learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    chain = tuple(range(300))
+    def vote(reported: int, split=(200, 40, True)) -> tuple[int, int]:
+        learner.observe("r", "m", UsageReport(3000, reported), prompt_bytes=0, predicted_cached=2000,
+                        prefix_blocks=chain[:240], match_split=split)
+        return learner.order_votes("r")
+    assert vote(1970) == (0, 0)  # 3 blocks short of the match: rounding, not a vote
+    assert vote(388) == (1, 0)  # the shared prompt counted 3% short: still a root-first answer
+    assert vote(430) == (2, 0)  # or 3 blocks over it
+    assert vote(470) == (2, 0)  # between: no answer
+    assert vote(480) == (2, 1)  # its start kept: leaf first
+    assert vote(1900, (200, 190, True)) == (2, 1)  # 10 blocks its own: too few for either answer
+    assert vote(199) == (0, 0) and not index.root_first("r")  # half the shared prompt lost: a flush
+
+
+def test_settling_leaf_first_undoes_a_wrong_flip() -> None:
+    index, a = _trimmed_index()
+    learner = UsageLearner(block_chars=40, calibrate=False, index=index)
+    for _ in range(ROOT_FIRST_MIN_VOTES):
+        learner.observe("r", "m", UsageReport(140, 40), prompt_bytes=0, predicted_cached=120,
+                        prefix_blocks=a, match_split=(12, 4, True))
+    assert index.root_first("r")
+    for _ in range(LEAF_FIRST_SETTLED):
+        learner.observe("r", "m", UsageReport(140, 100), prompt_bytes=0, predicted_cached=120,
+                        prefix_blocks=a, match_split=(12, 4, True))
+    assert not index.root_first("r") and not learner.learns_order("r")
 
 
 def test_a_hash_twice_in_a_dropped_conversation_goes_once() -> None:
@@ -124,7 +174,7 @@ def test_a_hash_twice_in_a_dropped_conversation_goes_once() -> None:
     index.record("r", (1, 2, 1, 3, 4, 5))
     index.record("r", tuple(range(50, 57)))  # 7 more of 10: the first run trimmed
     index.set_root_first("r")
-    assert index.match((1, 2, 1, 3))  == {} and index.cached_tokens("r") == 70
+    assert index.match((1, 2, 1, 3)) == {} and index.cached_tokens("r") == 70
 
 
 def test_a_radix_engines_partial_hits_keep_the_replica_leaf_first() -> None:
@@ -141,7 +191,7 @@ def test_a_radix_engines_partial_hits_keep_the_replica_leaf_first() -> None:
     # index matched or a block short of it, of between one and two blocks more than others hold, or of only
     # theirs where the index had matched under half of the conversation
     for cached, match in ((40, (5, 4, True)), (140, (12, 4, True)), (110, (12, 4, True)),
-                          (55, (12, 4, True)), (40, (8, 4, True))):
+                          (70, (12, 4, True)), (40, (8, 4, True))):
         learner.observe("r", "m", UsageReport(140, cached), prompt_bytes=0, predicted_cached=50,
                         prefix_blocks=a, match_split=match)
     assert learner.order_votes("r") == (6, 18)

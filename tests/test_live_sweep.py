@@ -238,3 +238,9 @@ def test_a_bad_variant_is_refused_before_anything_starts(argv: list[str], messag
     with pytest.raises(SystemExit):
         load_benchmark("live_sweep").parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_variant_may_set_its_policys_params() -> None:
+    args = load_benchmark("live_sweep").parse_args(["--variant", "ch8=consistent_hash policy.params.vnodes=8"])
+    [variant] = args.variants
+    assert variant.policy == "consistent_hash" and variant.settings == (("policy.params.vnodes", 8),)
