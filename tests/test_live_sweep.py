@@ -42,6 +42,9 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
     [point] = data["points"]
     assert point["kind"] == "mini" and point["chars_per_token"] == 1.5
     assert data["baselines"] == ["ch_leaf"] and data["peers"] == ["fake"]
+    # a kvrouter contender's index predictions against the reports, from its decision log
+    prediction = data["points"][0]["results"]["ch_leaf"]["cache_prediction"]
+    assert prediction["requests"] == 4 and "cache_prediction" not in data["points"][0]["results"]["fake"]
     # a variant is a kvrouter contender: its decision log is kept with the records
     assert (out / "records" / "mini-cap2-cpt1.5-ch_leaf.decisions.jsonl").stat().st_size > 0
     for name in ("consistent_hash", "ch_leaf", "fake"):
@@ -244,3 +247,17 @@ def test_a_variant_may_set_its_policys_params() -> None:
     args = load_benchmark("live_sweep").parse_args(["--variant", "ch8=consistent_hash policy.params.vnodes=8"])
     [variant] = args.variants
     assert variant.policy == "consistent_hash" and variant.settings == (("policy.params.vnodes", 8),)
+
+
+def test_cache_prediction_sums_the_decision_logs_predictions_and_reports(tmp_path: Path) -> None:
+    log = tmp_path / "d.jsonl"
+    rows = [{"format": "kvrouter-decision-log/1"},
+            # the router sized the prompt at 1000 tokens, the replica at 2000: predictions scale
+            {"prompt_tokens": 1000, "predicted_cached": 500, "reported_prompt_tokens": 2000, "reported_cached": 600},
+            {"prompt_tokens": 1000, "predicted_cached": 0, "reported_prompt_tokens": 1000, "reported_cached": 0},
+            {"prompt_tokens": 1000, "predicted_cached": 100}]  # no report: left out
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cache_prediction = load_benchmark("replay_accounting").cache_prediction
+    assert cache_prediction(log) == {"requests": 2, "predicted_hit_rate": round(1000 / 3000, 4),
+                                     "reported_hit_rate": 0.2, "over_predicted": round(400 / 3000, 4)}
+    assert cache_prediction(tmp_path / "none.jsonl") is None
