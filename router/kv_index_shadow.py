@@ -211,8 +211,7 @@ class ShadowKVIndex:
         state = self._replicas.get(replica)
         if state is None:
             return
-        limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
-        excess = len(state.owner) - limit
+        excess = len(state.owner) - self._limit_blocks(replica)
         whole = replica in self._root_first
         owner, runs, discard_many = state.owner, state.runs, self._holders.discard_many
         while excess > 0:  # the least recent run, its deepest blocks first
@@ -267,8 +266,11 @@ class ShadowKVIndex:
         state = self._replicas.get(replica)
         if state is None:
             return 0.0
-        limit = self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
-        return len(state.owner) / max(1, limit)
+        return len(state.owner) / max(1, self._limit_blocks(replica))
+
+    def _limit_blocks(self, replica: str) -> int:
+        """The blocks the index keeps for the replica (its capacity, until resized the default)."""
+        return self._capacity_blocks.get(replica, self.default_capacity_tokens // self.block_tokens)
 
     def _drop_run(self, state: _ReplicaBlocks, replica: str, run: _Run) -> None:
         owner, rid = state.owner, run.rid
