@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import code_version, portable_command  # noqa: E402
-from replay_accounting import cache_prediction, cpu_split, router_split  # noqa: E402
+from replay_accounting import cache_prediction, cpu_split, decision_rows, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
 from kvrouter.loadtest.compare import _flush, _start_contender  # noqa: E402
@@ -311,7 +311,7 @@ async def run_contender(c: Contender, arrivals: Arrivals, urls: list[str], args:
     if keep is not None:
         names = {u.rstrip("/"): f"replica{i}" for i, u in enumerate(urls)}
         write_records(keep / f"{records_stem(point, c.name)}.requests.jsonl", records, names)
-        decisions = keep / f"{records_stem(point, c.name)}.decisions.jsonl"
+        decisions = decision_rows(keep / f"{records_stem(point, c.name)}.decisions.jsonl")
         split = router_split(records, decisions, args.time_scale)
         prediction = cache_prediction(decisions)
     result = report["results"][c.name]

@@ -85,19 +85,27 @@ def cpu_split(router_pid: int, replica_pids: list[int], before: dict[str, Any] |
     return out
 
 
-def router_split(records: list[RequestRecord], decisions: Path, time_scale: float) -> dict[str, Any] | None:
+def decision_rows(decisions: Path) -> list[dict[str, Any]] | None:
+    """The rows of a kvrouter contender's decision log (JSON lines), read once for both
+    :func:`router_split` and :func:`cache_prediction`; None without a log."""
+    if not decisions.exists():
+        return None
+    return [orjson.loads(line) for line in decisions.read_bytes().splitlines()]
+
+
+def router_split(records: list[RequestRecord], rows: list[dict[str, Any]] | None,
+                 time_scale: float) -> dict[str, Any] | None:
     """Where a kvrouter contender's time to first token went, per request joined to its
     decision-log line by request id, in wall ms: `added` is the client's TTFT (its first
     content token) minus the router's own (from its write to the replica to the replica's first
     bytes), i.e. the time the router and the hops through it added, plus any gap between the
     replica's first bytes and the first content token the client counts; `routed` the part
     from the request's handler starting to its write to the replica. None without a decision
-    log or a joined request."""
-    if not decisions.exists():
+    log (`rows` None, see :func:`decision_rows`) or a joined request."""
+    if rows is None:
         return None
     lines = {}
-    for line in decisions.read_bytes().splitlines():
-        row = orjson.loads(line)
+    for row in rows:
         if row.get("ttft_s") is not None and row.get("id") is not None:
             lines[row["id"]] = row
     added, routed = [], []
@@ -114,17 +122,17 @@ def router_split(records: list[RequestRecord], decisions: Path, time_scale: floa
             "routed_ms_p50": round(statistics.median(routed), 2) if routed else None}
 
 
-def cache_prediction(decisions: Path) -> dict[str, Any] | None:
+def cache_prediction(rows: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The cached tokens the router's KV index predicted against those the replicas reported,
     over the decision log's requests with a report, as shares of the reported prompt tokens:
     `over_predicted` = predicted - reported (the index's cached-token miss). A prediction is
     scaled from the router's prompt-size estimate to the replica's tokens (the two differ until
-    the bytes-per-token estimate has its first report). None without a decision log or a report."""
-    if not decisions.exists():
+    the bytes-per-token estimate has its first report). None without a decision log (`rows`
+    None, see :func:`decision_rows`) or a report."""
+    if rows is None:
         return None
     predicted = reported = prompt = requests = 0.0
-    for line in decisions.read_bytes().splitlines():
-        row = orjson.loads(line)
+    for row in rows:
         told, cached = row.get("reported_prompt_tokens"), row.get("reported_cached")
         if not told or cached is None or row.get("predicted_cached") is None or not row.get("prompt_tokens"):
             continue

@@ -257,7 +257,8 @@ def test_cache_prediction_sums_the_decision_logs_predictions_and_reports(tmp_pat
             {"prompt_tokens": 1000, "predicted_cached": 0, "reported_prompt_tokens": 1000, "reported_cached": 0},
             {"prompt_tokens": 1000, "predicted_cached": 100}]  # no report: left out
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cache_prediction = load_benchmark("replay_accounting").cache_prediction
-    assert cache_prediction(log) == {"requests": 2, "predicted_hit_rate": round(1000 / 3000, 4),
+    accounting = load_benchmark("replay_accounting")
+    cache_prediction, decision_rows = accounting.cache_prediction, accounting.decision_rows
+    assert cache_prediction(decision_rows(log)) == {"requests": 2, "predicted_hit_rate": round(1000 / 3000, 4),
                                      "reported_hit_rate": 0.2, "over_predicted": round(400 / 3000, 4)}
-    assert cache_prediction(tmp_path / "none.jsonl") is None
+    assert cache_prediction(decision_rows(tmp_path / "none.jsonl")) is None
