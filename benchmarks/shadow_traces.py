@@ -69,30 +69,41 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
     commit = engine.commit
     clock = time.perf_counter
     rows: list[tuple[str, float, float]] = []  # (the shadow's rule, seconds without, with)
+    pauses = _Pauses(clock)  # collections landing inside the timed notes (--keep-gc)
+    bare: list[tuple[float, float]] = []  # the same two times less those collections' pauses
 
     def timed_commit(decision, summary, session, **kw):  # type: ignore[no-untyped-def]
         if kw.get("target") is None:
             snapshot = engine._snapshot(session)  # what `commit` notes on: nothing changed since
             order = ((), with_shadow) if len(rows) % 2 else (with_shadow, ())
-            took = {}
+            took, paused = {}, {}
             if not keep_gc:
                 gc.disable()  # see the module's docstring
             try:
                 for shadows in order:
+                    pauses.region = bool(shadows)
+                    before = pauses.in_region[pauses.region]
                     t0 = clock()
                     notes = engine.notes(snapshot, summary, decision, shadows)
                     took[bool(shadows)] = clock() - t0
+                    pauses.region = None
+                    paused[bool(shadows)] = pauses.in_region[bool(shadows)] - before
                     if shadows:
                         other = notes.shadows[0][1]
             finally:
                 if not keep_gc:
                     gc.enable()
             rows.append((other.reason if other is not None else "none", took[False], took[True]))
+            bare.append((took[False] - paused[False], took[True] - paused[True]))
         return commit(decision, summary, session, **kw)
 
     engine.commit = timed_commit  # every decision the simulator commits is timed here first
+    gc.callbacks.append(pauses.hook)
     started = time.perf_counter()
-    sim.run()
+    try:
+        sim.run()
+    finally:
+        gc.callbacks.remove(pauses.hook)
     wall = time.perf_counter() - started
 
     def summary_of(picked: list[tuple[str, float, float]]) -> dict[str, object]:
@@ -107,11 +118,42 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
     by_rule: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
     for row in rows:
         by_rule[row[0]].append(row)
+    collected = {}
+    if keep_gc:  # where the collections fell, and the overhead without their pauses
+        collected = {"collections_in_timed_notes": {"without_shadow": pauses.counts[False],
+                                                    "with_shadow": pauses.counts[True]},
+                     "collections_whole_run": pauses.total,
+                     "overhead_mean_us_less_collections": round(
+                         (statistics.fmean(w for _, w in bare) - statistics.fmean(w for w, _ in bare)) * 1e6, 2)}
     return {"primary": primary, "shadow": shadow, "sessions": len(arrivals),
             "requests_in_traces": sum(s.n_turns for _, s in arrivals),
-            "simulated_s": duration_s, "wall_s": round(wall, 1), **summary_of(rows),
+            "simulated_s": duration_s, "wall_s": round(wall, 1), **summary_of(rows), **collected,
             "by_shadow_rule": {rule: summary_of(picked)
                                for rule, picked in sorted(by_rule.items(), key=lambda kv: -len(kv[1]))}}
+
+
+class _Pauses:
+    """A `gc.callbacks` hook: every collection's pause, summed per timed region (`region`: False
+    while the notes are worked out without the shadow, True with it, None elsewhere), and the
+    whole run's collections per generation."""
+
+    def __init__(self, clock) -> None:  # type: ignore[no-untyped-def]
+        self.clock = clock
+        self.region: bool | None = None
+        self.in_region = {False: 0.0, True: 0.0}
+        self.counts = {False: 0, True: 0}
+        self.total: dict[str, int] = {}
+        self._started = 0.0
+
+    def hook(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = self.clock()
+            return
+        generation = str(info["generation"])
+        self.total[generation] = self.total.get(generation, 0) + 1
+        if self.region is not None:
+            self.in_region[self.region] += self.clock() - self._started
+            self.counts[self.region] += 1
 
 
 def measure_fresh(pair: str, args: argparse.Namespace) -> dict[str, object]:

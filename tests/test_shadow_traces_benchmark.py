@@ -53,3 +53,61 @@ def test_numbers_given_to_each_run_read_back_as_the_same_float() -> None:
     assert bench._number(2.0) == "2" and bench._number(3600.0) == "3600"
     assert float(bench._number(1234567.0)) == 1234567.0  # `:g` alone would say 1.23457e+06
     assert float(bench._number(0.1 + 0.2)) == 0.1 + 0.2
+
+
+def test_with_the_collector_on_a_row_says_where_collections_fell_and_the_overhead_without_them(
+        tmp_path: Path) -> None:
+    bench = load_benchmark("shadow_traces")
+    assert bench.main(["--pairs", "coding-agent:prefix-aware", "--copies", "1", "--duration-s", "120", "--keep-gc",
+                       "--json", str(tmp_path / "gc.json")]) == 0
+    saved = json.loads((tmp_path / "gc.json").read_text())
+    assert saved["gc_paused_while_timed"] is False
+    (row,) = saved["rows"]
+    landed = row["collections_in_timed_notes"]
+    assert set(landed) == {"without_shadow", "with_shadow"} and all(n >= 0 for n in landed.values())
+    assert sum(row["collections_whole_run"].values()) >= sum(landed.values())
+    assert isinstance(row["overhead_mean_us_less_collections"], float)
+
+
+def test_paused_collector_rows_carry_no_collection_figures(tmp_path: Path) -> None:
+    bench = load_benchmark("shadow_traces")
+    assert bench.main(["--pairs", "consistent-hash:coding-agent", "--copies", "1", "--duration-s", "60",
+                       "--json", str(tmp_path / "paused.json")]) == 0
+    (row,) = json.loads((tmp_path / "paused.json").read_text())["rows"]
+    assert "collections_in_timed_notes" not in row
+
+
+def test_collections_are_counted_in_paired_interpreters_with_one_hash_seed(tmp_path: Path, monkeypatch) -> None:
+    bench = load_benchmark("shadow_collections")
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--pairs", "coding-agent:prefix-aware", "--copies", "1", "--duration-s", "120",
+                       "--runs", "1", "--json", "collections.json"]) == 0
+    saved = json.loads((tmp_path / "collections.json").read_text())
+    assert saved["command"] == ("python benchmarks/shadow_collections.py --pairs coding-agent:prefix-aware "
+                                "--copies 1 --stagger-s 2 --duration-s 120 --runs 1 --json collections.json")
+    (row,) = saved["rows"]
+    assert row["hash_seed"] == 1
+    without, with_ = row["without_shadow"], row["with_shadow"]
+    assert without["decisions"] == with_["decisions"] > 0  # the same replay on both sides
+    for generation, added in row["collections_added"].items():
+        assert added == with_["collections"].get(generation, 0) - without["collections"].get(generation, 0)
+
+
+def test_added_pause_is_the_added_collections_at_their_mean_pause() -> None:
+    bench = load_benchmark("shadow_collections")
+    without = {"decisions": 1000, "collections": {"0": 10, "1": 1}, "paused_ms": {"0": 20.0, "1": 5.0}}
+    with_ = {"decisions": 1000, "collections": {"0": 12, "1": 1}, "paused_ms": {"0": 24.0, "1": 5.0}}
+    added = bench.added_by_shadow(without, with_)
+    assert added["collections_added"] == {"0": 2, "1": 0}
+    assert added["added_pause_us_per_decision"] == 4.0  # 2 collections x 2 ms / 1000 decisions
+
+
+def test_a_pair_that_is_not_primary_colon_shadow_is_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    bench = load_benchmark("shadow_collections")
+    try:
+        bench.main(["--pairs", "coding-agent"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    else:
+        raise AssertionError("accepted a pair without a shadow")
+    assert "is not primary:shadow" in capsys.readouterr().err
