@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from kvrouter.policies.consistent_hash import ConsistentHash, ConsistentHashParams
+from kvrouter.policies.consistent_hash import ConsistentHash, ConsistentHashParams, _h
 from kvrouter.policies.domain import ReplicaView, RequestSummary, Snapshot
 from kvrouter.policies.registry import build_policy
 
@@ -71,6 +71,15 @@ def test_consistent_hash_arc_search_finds_the_whole_ring_bisect(replicas: int, v
     probes = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
     probes += [q for p in points for q in (p - 1, p, p + 1) if 0 <= q < 2**64]
     assert all(policy._position(q) == bisect.bisect(points, q) for q in probes)
+
+
+@pytest.mark.parametrize("replicas, vnodes", [(1, 1), (3, 2), (100, 160)])
+def test_consistent_hash_ring_is_the_members_points_sorted_with_their_owners(replicas: int, vnodes: int) -> None:
+    policy = ConsistentHash(ConsistentHashParams(vnodes=vnodes))
+    policy.decide(snap(replicas), RequestSummary("/x", session_key="k"), random.Random(0))
+    members = sorted(f"r{i}" for i in range(replicas))
+    ring = sorted((_h(f"{m}#{i}"), m) for m in members for i in range(vnodes))  # the plain definition
+    assert policy._points == [p for p, _ in ring] and policy._owners == [m for _, m in ring]
 
 
 def test_least_load_picks_minimum():
