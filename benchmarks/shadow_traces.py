@@ -15,7 +15,9 @@ and the difference of the two medians, overall and by the rule the shadow's own 
 The cyclic garbage collector is paused while the notes are timed (`--keep-gc` leaves it on): a
 young collection that falls there scans the simulator's own young objects (its replica models'
 pages and events), which a router does not have, and lands on whichever allocation crosses the
-threshold. The allocations still count, so collections run soon after, untimed.
+threshold. The allocations still count, so collections run soon after, untimed. With it on,
+each row also counts the collections that fell in each timed call and gives the overhead less
+their pauses; benchmarks/shadow_collections.py counts whether a shadow adds any.
 
 One process's figures move run to run by more than the differences worth measuring (its hash
 seed lays out every dict differently, and with it what is cold when). `--runs N` measures each
