@@ -11,7 +11,10 @@ without the shadow, the other with it, once per decision as the live router does
 hook counts every collection by generation and sums its pause. Reported per run: both counts,
 the collections the shadow added per generation, and what they cost per decision at the run's
 mean pause of that generation (the simulator's heap makes its young collections slower than a
-router's, so this errs high).
+router's, so this errs high). Both sides must make the same decisions (a digest of every one is
+compared). The count's resolution is one collection per replay (~12,900 decisions at the
+defaults), and the simulator holds full collections off while it runs (loadtest/cluster_sim.py),
+so generation 2 reads 0 on both sides.
 
     python benchmarks/shadow_collections.py [--pairs coding-agent:prefix-aware,...] [--copies 8]
         [--stagger-s 2] [--duration-s 3600] [--runs 3] [--json docs/benchmarks-shadow-collections.json]
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import statistics
@@ -28,11 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 # benchmarks/ is on sys.path: this runs as a script
 from portable import code_version, machine_facts, portable, portable_command
-from shadow_traces import PAIRS, REPLICAS, TRACE_SETS
+from shadow_traces import PAIRS, REPLICAS, TRACE_SETS, _number
 
 from kvrouter.loadtest.cluster_config import SimConfig
 from kvrouter.loadtest.cluster_sim import ClusterSimulator
@@ -53,7 +58,8 @@ def replay(primary: str, shadow: str | None, copies: int, stagger_s: float, dura
     shadows = ((shadow, build_policy(shadow)),) if shadow else ()
     commit = engine.commit
     clock = time.perf_counter
-    notes_s: list[float] = []
+    notes_s = array("d")  # floats, not objects the collector counts
+    decided = hashlib.blake2b(digest_size=8)  # every decision, to prove both sides replayed alike
     counts: dict[str, int] = {}
     paused: dict[str, float] = {}
     started = [0.0]
@@ -72,6 +78,7 @@ def replay(primary: str, shadow: str | None, copies: int, stagger_s: float, dura
             t0 = clock()
             engine.notes(snapshot, summary, decision, shadows)
             notes_s.append(clock() - t0)
+        decided.update(f"{decision.replica} {decision.reason}\n".encode())
         return commit(decision, summary, session, **kw)
 
     engine.commit = noted_commit
@@ -81,7 +88,7 @@ def replay(primary: str, shadow: str | None, copies: int, stagger_s: float, dura
         sim.run()
     finally:
         gc.callbacks.remove(hook)
-    return {"decisions": len(notes_s), "collections": counts,
+    return {"decisions": len(notes_s), "decisions_digest": decided.hexdigest(), "collections": counts,
             "paused_ms": {g: round(s * 1e3, 2) for g, s in paused.items()},
             "notes_mean_us": round(statistics.fmean(notes_s) * 1e6, 2) if notes_s else None}
 
@@ -98,7 +105,7 @@ def paired(primary: str, shadow: str, hash_seed: int, args: argparse.Namespace) 
                            check=True, stdout=subprocess.DEVNULL, env=env)
             sides[side] = json.loads(out.read_text())
     without, with_ = sides["without"], sides["with"]
-    if without["decisions"] != with_["decisions"]:
+    if (without["decisions"], without["decisions_digest"]) != (with_["decisions"], with_["decisions_digest"]):
         raise RuntimeError(f"{primary}:{shadow}: the two replays decided differently")
     return {"primary": primary, "shadow": shadow, "hash_seed": hash_seed, "without_shadow": without,
             "with_shadow": with_, **added_by_shadow(without, with_)}
@@ -107,7 +114,7 @@ def paired(primary: str, shadow: str, hash_seed: int, args: argparse.Namespace) 
 def added_by_shadow(without: dict, with_: dict) -> dict[str, object]:  # type: ignore[type-arg]
     """The collections the shadow added per generation, and their cost per decision at the two
     replays' mean pause of that generation."""
-    decisions = without["decisions"]
+    decisions = max(1, without["decisions"])  # a replay too short to decide anything adds nothing
     added, cost_s = {}, 0.0
     for generation in sorted(set(without["collections"]) | set(with_["collections"])):
         n0, n1 = without["collections"].get(generation, 0), with_["collections"].get(generation, 0)
@@ -118,8 +125,8 @@ def added_by_shadow(without: dict, with_: dict) -> dict[str, object]:  # type: i
 
 
 def _options(args: argparse.Namespace, pairs: str) -> list[str]:
-    return ["--pairs", pairs, "--copies", str(args.copies), "--stagger-s", f"{args.stagger_s:g}",
-            "--duration-s", f"{args.duration_s:g}"]
+    return ["--pairs", pairs, "--copies", str(args.copies), "--stagger-s", _number(args.stagger_s),
+            "--duration-s", _number(args.duration_s)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             except (KeyError, ValueError) as err:
                 ap.error(f"--pairs: {name!r}: {err}")
     if args.child:
+        if not args.json or len(pairs) != 1:
+            ap.error("--child needs one pair and --json")
         ((primary, shadow),) = pairs
         result = replay(primary, shadow if args.child == "with" else None, args.copies, args.stagger_s,
                         args.duration_s)
@@ -169,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         command = ["python", "benchmarks/shadow_collections.py", *_options(args, args.pairs), "--runs", str(args.runs),
                    "--json", portable(str(Path(args.json).resolve()))]
         out = {"command": portable_command(command), "code": code, "replicas": REPLICAS, "copies": args.copies,
-               "stagger_s": args.stagger_s, **machine_facts(load_before), "rows": rows}
+               "stagger_s": args.stagger_s, "duration_s": args.duration_s, "runs": args.runs,
+               "gc_thresholds": gc.get_threshold(), **machine_facts(load_before), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from collections import defaultdict
 from pathlib import Path
 
@@ -70,33 +71,37 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
     with_shadow = ((shadow, build_policy(shadow)),)
     commit = engine.commit
     clock = time.perf_counter
-    rows: list[tuple[str, float, float]] = []  # (the shadow's rule, seconds without, with)
-    pauses = _Pauses(clock)  # collections landing inside the timed notes (--keep-gc)
-    bare: list[tuple[float, float]] = []  # the same two times less those collections' pauses
+    # Per decision: the shadow's rule and the seconds without and with it. Kept in arrays of
+    # floats and a list of the policies' own reason strings, not a tuple per decision: objects
+    # kept to the end count towards the collector's threshold, and ~13,000 tuples would set off
+    # passes of their own in the run being measured.
+    rules: list[str] = []
+    without_s, with_s = array("d"), array("d")
+    pauses = _Pauses(clock)  # collections falling inside the timed notes (--keep-gc)
 
     def timed_commit(decision, summary, session, **kw):  # type: ignore[no-untyped-def]
         if kw.get("target") is None:
             snapshot = engine._snapshot(session)  # what `commit` notes on: nothing changed since
-            order = ((), with_shadow) if len(rows) % 2 else (with_shadow, ())
-            took, paused = {}, {}
+            first_with = not len(rules) % 2
             if not keep_gc:
                 gc.disable()  # see the module's docstring
             try:
-                for shadows in order:
+                for shadows in ((with_shadow, ()) if first_with else ((), with_shadow)):
                     pauses.region = bool(shadows)
-                    before = pauses.in_region[pauses.region]
                     t0 = clock()
                     notes = engine.notes(snapshot, summary, decision, shadows)
-                    took[bool(shadows)] = clock() - t0
+                    took = clock() - t0
                     pauses.region = None
-                    paused[bool(shadows)] = pauses.in_region[bool(shadows)] - before
                     if shadows:
+                        with_s.append(took)
                         other = notes.shadows[0][1]
+                    else:
+                        without_s.append(took)
             finally:
+                pauses.region = None
                 if not keep_gc:
                     gc.enable()
-            rows.append((other.reason if other is not None else "none", took[False], took[True]))
-            bare.append((took[False] - paused[False], took[True] - paused[True]))
+            rules.append(other.reason if other is not None else "none")
         return commit(decision, summary, session, **kw)
 
     engine.commit = timed_commit  # every decision the simulator commits is timed here first
@@ -108,28 +113,30 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
         gc.callbacks.remove(pauses.hook)
     wall = time.perf_counter() - started
 
-    def summary_of(picked: list[tuple[str, float, float]]) -> dict[str, object]:
-        without = [w * 1e6 for _, w, _ in picked]
-        with_ = [s * 1e6 for _, _, s in picked]
+    def summary_of(picked: list[int]) -> dict[str, object]:
+        without = [without_s[i] * 1e6 for i in picked]
+        with_ = [with_s[i] * 1e6 for i in picked]
         return {"decisions": len(picked),
                 "overhead_mean_us": round(statistics.fmean(with_) - statistics.fmean(without), 2),
                 "overhead_p50_us": round(statistics.median(with_) - statistics.median(without), 2),
                 "notes_without_shadow_mean_us": round(statistics.fmean(without), 2),
                 "notes_without_shadow_p50_us": round(statistics.median(without), 2)}
 
-    by_rule: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    for row in rows:
-        by_rule[row[0]].append(row)
+    by_rule: dict[str, list[int]] = defaultdict(list)
+    for i, rule in enumerate(rules):
+        by_rule[rule].append(i)
+    overall = summary_of(list(range(len(rules))))
     collected = {}
-    if keep_gc:  # where the collections fell, and the overhead without their pauses
+    if keep_gc:  # where the collections fell, and the overhead less their pauses
+        paused_us = (pauses.in_region[True] - pauses.in_region[False]) / len(rules) * 1e6
         collected = {"collections_in_timed_notes": {"without_shadow": pauses.counts[False],
                                                     "with_shadow": pauses.counts[True]},
                      "collections_whole_run": pauses.total,
                      "overhead_mean_us_less_collections": round(
-                         (statistics.fmean(w for _, w in bare) - statistics.fmean(w for w, _ in bare)) * 1e6, 2)}
+                         (statistics.fmean(with_s) - statistics.fmean(without_s)) * 1e6 - paused_us, 2)}
     return {"primary": primary, "shadow": shadow, "sessions": len(arrivals),
             "requests_in_traces": sum(s.n_turns for _, s in arrivals),
-            "simulated_s": duration_s, "wall_s": round(wall, 1), **summary_of(rows), **collected,
+            "simulated_s": duration_s, "wall_s": round(wall, 1), **overall, **collected,
             "by_shadow_rule": {rule: summary_of(picked)
                                for rule, picked in sorted(by_rule.items(), key=lambda kv: -len(kv[1]))}}
 
@@ -185,7 +192,10 @@ def _number(x: float) -> str:
 def spread(rows: list[dict[str, object]]) -> dict[str, object]:
     """Per figure of one pair's runs: each run's value, and their mean, lowest and highest."""
     out: dict[str, object] = {"runs": len(rows)}
-    for key in ("overhead_mean_us", "overhead_p50_us", "notes_without_shadow_mean_us"):
+    for key in ("overhead_mean_us", "overhead_p50_us", "notes_without_shadow_mean_us",
+                "overhead_mean_us_less_collections"):
+        if key not in rows[0]:  # collector-on runs only
+            continue
         values = [float(r[key]) for r in rows]  # type: ignore[arg-type]
         out[key] = {"each": values, "mean": round(statistics.fmean(values), 2), "min": min(values),
                     "max": max(values)}
@@ -236,15 +246,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['overhead_p50_us']:.1f} | {row['notes_without_shadow_mean_us']:.1f} | {rules} |", flush=True)
     by_pair = []
     if args.runs > 1:
-        print("\n| primary | shadow | runs | overhead mean us: mean (lowest-highest) | overhead p50 us: mean (lowest-highest) |")
-        print("|---|---|---:|---|---|")
+        keys = ["overhead_mean_us", "overhead_p50_us", *(["overhead_mean_us_less_collections"] if args.keep_gc else [])]
+        print("\nEach cell: the mean over the runs (lowest-highest).\n")
+        print("| primary | shadow | runs | overhead mean us | overhead p50 us |"
+              + (" overhead mean us less the collections' pauses |" if args.keep_gc else ""))
+        print("|---|---|---:|" + "---|" * len(keys))
         for pair in pairs:
             primary, shadow = pair.split(":")
             summary = spread([r for r in rows if (r["primary"], r["shadow"]) == (primary, shadow)])
             by_pair.append({"primary": primary, "shadow": shadow, **summary})
-            mean, p50 = summary["overhead_mean_us"], summary["overhead_p50_us"]
-            print(f"| {primary} | {shadow} | {args.runs} | {mean['mean']:.1f} ({mean['min']:.1f}-{mean['max']:.1f}) | "  # type: ignore[index]
-                  f"{p50['mean']:.1f} ({p50['min']:.1f}-{p50['max']:.1f}) |")  # type: ignore[index]
+            cells = " | ".join(f"{m['mean']:.1f} ({m['min']:.1f}-{m['max']:.1f})"
+                               for m in (summary[k] for k in keys))  # type: ignore[index]
+            print(f"| {primary} | {shadow} | {args.runs} | {cells} |")
     if args.json:
         # Every option spelled out, as run from the repository's root whatever the working directory was.
         command = ["python", "benchmarks/shadow_traces.py", *_options(args, args.pairs),

@@ -61,7 +61,8 @@ class ConsistentHash:
             return
         # Sorted by position through plain lists of ints and names, not (point, member) tuples:
         # 100 replicas make 16,000 of those, enough to set off ~20 passes of the cyclic collector
-        # while the ring is built. The sort is stable, so ties keep the tuples' order (by member).
+        # while the ring is built. The sort is stable and `members` is sorted, so tied points
+        # keep the tuples' order (by member).
         vnodes = range(self.params.vnodes)
         hashes = [_h(f"{m}#{i}") for m in members for i in vnodes]
         owners = [m for m in members for _ in vnodes]

@@ -82,6 +82,22 @@ def test_consistent_hash_ring_is_the_members_points_sorted_with_their_owners(rep
     assert policy._points == [p for p, _ in ring] and policy._owners == [m for _, m in ring]
 
 
+def test_consistent_hash_ring_orders_tied_points_by_member_as_the_tuples_do(monkeypatch) -> None:
+    # 64-bit hashes never tie in practice; a coarse hash makes ties everywhere.
+    import kvrouter.policies.consistent_hash as module
+
+    def coarse(data: str) -> int:
+        return _h(data) % 50 << 57
+
+    monkeypatch.setattr(module, "_h", coarse)
+    policy = ConsistentHash(ConsistentHashParams(vnodes=20))
+    policy.decide(snap(7), RequestSummary("/x", session_key="k"), random.Random(0))
+    members = sorted(f"r{i}" for i in range(7))
+    ring = sorted((coarse(f"{m}#{i}"), m) for m in members for i in range(20))
+    assert len(set(policy._points)) < len(policy._points)  # there were ties
+    assert policy._points == [p for p, _ in ring] and policy._owners == [m for _, m in ring]
+
+
 def test_least_load_picks_minimum():
     policy = build_policy("least-load")
     s = snap(3, r0=ReplicaView("r0", in_flight=2), r1=ReplicaView("r1", num_running_reqs=1),

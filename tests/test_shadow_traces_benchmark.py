@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from .benchmark_modules import load_benchmark
 
 
@@ -89,6 +91,7 @@ def test_collections_are_counted_in_paired_interpreters_with_one_hash_seed(tmp_p
     assert row["hash_seed"] == 1
     without, with_ = row["without_shadow"], row["with_shadow"]
     assert without["decisions"] == with_["decisions"] > 0  # the same replay on both sides
+    assert without["decisions_digest"] == with_["decisions_digest"]
     for generation, added in row["collections_added"].items():
         assert added == with_["collections"].get(generation, 0) - without["collections"].get(generation, 0)
 
@@ -104,10 +107,35 @@ def test_added_pause_is_the_added_collections_at_their_mean_pause() -> None:
 
 def test_a_pair_that_is_not_primary_colon_shadow_is_refused(capsys) -> None:  # type: ignore[no-untyped-def]
     bench = load_benchmark("shadow_collections")
-    try:
+    with pytest.raises(SystemExit) as exit_:
         bench.main(["--pairs", "coding-agent"])
-    except SystemExit as exit_:
-        assert exit_.code == 2
-    else:
-        raise AssertionError("accepted a pair without a shadow")
+    assert exit_.value.code == 2
     assert "is not primary:shadow" in capsys.readouterr().err
+
+
+def test_a_replay_too_short_to_decide_adds_no_collections() -> None:
+    bench = load_benchmark("shadow_collections")
+    empty = {"decisions": 0, "collections": {}, "paused_ms": {}}
+    assert bench.added_by_shadow(empty, empty) == {"collections_added": {}, "added_pause_us_per_decision": 0.0}
+
+
+def test_pauses_are_summed_per_timed_call_and_counted_per_generation() -> None:
+    bench = load_benchmark("shadow_traces")
+    now = [0.0]
+    pauses = bench._Pauses(lambda: now[0])
+
+    def collect(generation: int, seconds: float) -> None:
+        pauses.hook("start", {"generation": generation})
+        now[0] += seconds
+        pauses.hook("stop", {"generation": generation})
+
+    collect(0, 1.0)  # between calls: counted for the run, in no call
+    pauses.region = True
+    collect(0, 2.0)
+    collect(1, 3.0)
+    pauses.region = False
+    collect(0, 0.5)
+    pauses.region = None
+    assert pauses.in_region == {False: 0.5, True: 5.0}
+    assert pauses.counts == {False: 1, True: 2}
+    assert pauses.total == {"0": 3, "1": 1}
