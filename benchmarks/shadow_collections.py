@@ -37,7 +37,7 @@ from pathlib import Path
 
 # benchmarks/ is on sys.path: this runs as a script
 from portable import code_version, machine_facts, portable, portable_command
-from shadow_traces import PAIRS, REPLICAS, TRACE_SETS, _number
+from shadow_traces import REPLICAS, TRACE_SETS, _number, add_replay_options, check_pairs
 
 from kvrouter.loadtest.cluster_config import SimConfig
 from kvrouter.loadtest.cluster_sim import ClusterSimulator
@@ -131,24 +131,12 @@ def _options(args: argparse.Namespace, pairs: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", default=",".join(f"{p}:{s}" for p, s in PAIRS),
-                    help="primary:shadow pairs, comma-separated")
-    ap.add_argument("--copies", type=int, default=8, help="users per trace file")
-    ap.add_argument("--stagger-s", type=float, default=2.0, help="between top-level sessions' starts")
-    ap.add_argument("--duration-s", type=float, default=3600.0, help="simulated time")
+    add_replay_options(ap)
     ap.add_argument("--runs", type=int, default=3, help="pairs of replays per primary:shadow, hash seeds 1..N")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--child", choices=("without", "with"), help=argparse.SUPPRESS)  # one side of a pair
     args = ap.parse_args(argv)
-    pairs = [pair.split(":") for pair in args.pairs.split(",")]
-    for names in pairs:
-        if len(names) != 2:
-            ap.error(f"--pairs: {':'.join(names)!r} is not primary:shadow")
-        for name in names:
-            try:
-                build_policy(name)
-            except (KeyError, ValueError) as err:
-                ap.error(f"--pairs: {name!r}: {err}")
+    pairs = [pair.split(":") for pair in check_pairs(ap, args.pairs)]
     if args.child:
         if not args.json or len(pairs) != 1:
             ap.error("--child needs one pair and --json")

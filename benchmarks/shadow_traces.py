@@ -202,13 +202,34 @@ def spread(rows: list[dict[str, object]]) -> dict[str, object]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_replay_options(ap: argparse.ArgumentParser) -> None:
+    """The replay's options, shared with benchmarks/shadow_collections.py."""
     ap.add_argument("--pairs", default=",".join(f"{p}:{s}" for p, s in PAIRS),
                     help="primary:shadow pairs, comma-separated")
     ap.add_argument("--copies", type=int, default=8, help="users per trace file")
     ap.add_argument("--stagger-s", type=float, default=2.0, help="between top-level sessions' starts")
     ap.add_argument("--duration-s", type=float, default=3600.0, help="simulated time")
+
+
+def check_pairs(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """`--pairs`, each `primary:shadow` of known policies, before anything is measured (not in a
+    run's interpreter halfway through); a bad one ends the program with the reason."""
+    pairs = text.split(",")
+    for pair in pairs:
+        names = pair.split(":")
+        if len(names) != 2:
+            ap.error(f"--pairs: {pair!r} is not primary:shadow")
+        for name in names:
+            try:
+                build_policy(name)
+            except (KeyError, ValueError) as err:  # unknown policy or preset: the registry says which
+                ap.error(f"--pairs: {name!r}: {err}")
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_replay_options(ap)
     ap.add_argument("--keep-gc", action="store_true", help="leave the garbage collector on while timing")
     ap.add_argument("--runs", type=int, default=1,
                     help="above 1: each pair measured in this many fresh interpreters, in turn")
@@ -218,16 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--runs must be >= 1")
     code = code_version()
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
-    pairs = args.pairs.split(",")
-    for pair in pairs:  # before anything is measured, not in a run's interpreter halfway through
-        names = pair.split(":")
-        if len(names) != 2:
-            ap.error(f"--pairs: {pair!r} is not primary:shadow")
-        for name in names:
-            try:
-                build_policy(name)
-            except (KeyError, ValueError) as err:  # unknown policy or preset: the registry says which
-                ap.error(f"--pairs: {name!r}: {err}")
+    pairs = check_pairs(ap, args.pairs)
     rows = []
     print("| run | primary | shadow | decisions | overhead mean us | overhead p50 us | notes alone mean us "
           "| by the shadow's rule: decisions, mean us |")
