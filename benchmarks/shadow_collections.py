@@ -37,40 +37,22 @@ from pathlib import Path
 
 # benchmarks/ is on sys.path: this runs as a script
 from portable import code_version, machine_facts, portable, portable_command
-from shadow_traces import REPLICAS, TRACE_SETS, _number, add_replay_options, check_pairs
+from shadow_traces import REPLICAS, _number, _Pauses, add_replay_options, check_pairs, replay_of
 
-from kvrouter.loadtest.cluster_config import SimConfig
-from kvrouter.loadtest.cluster_sim import ClusterSimulator
-from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
-from kvrouter.loadtest.workload_config import load_workload
-from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.policies.registry import build_policy
 
 
 def replay(primary: str, shadow: str | None, copies: int, stagger_s: float, duration_s: float) -> dict[str, object]:
     """One replay, each decision's notes worked out once (with `shadow`, or none), the collector
     on; its collections per generation, their summed pauses and the notes' mean time."""
-    arrivals = claude_code_arrivals(TRACE_SETS, copies=copies, stagger_s=stagger_s, max_context_tokens=262_144)
-    config = SimConfig(replicas=REPLICAS, duration_s=duration_s, seed=1, warmup_s=0.0, warm_start=False)
-    sim = ClusterSimulator(config, primary, load_workload("coding-agent"), arrivals=arrivals)
+    _, sim = replay_of(primary, copies, stagger_s, duration_s)
     engine = sim.engine
-    engine.metrics = RouterMetrics()
     shadows = ((shadow, build_policy(shadow)),) if shadow else ()
     commit = engine.commit
     clock = time.perf_counter
     notes_s = array("d")  # floats, not objects the collector counts
     decided = hashlib.blake2b(digest_size=8)  # every decision, to prove both sides replayed alike
-    counts: dict[str, int] = {}
-    paused: dict[str, float] = {}
-    started = [0.0]
-
-    def hook(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started[0] = clock()
-            return
-        generation = str(info["generation"])
-        counts[generation] = counts.get(generation, 0) + 1
-        paused[generation] = paused.get(generation, 0.0) + clock() - started[0]
+    pauses = _Pauses(clock)  # every collection of the run, per generation
 
     def noted_commit(decision, summary, session, **kw):  # type: ignore[no-untyped-def]
         if kw.get("target") is None:
@@ -83,13 +65,13 @@ def replay(primary: str, shadow: str | None, copies: int, stagger_s: float, dura
 
     engine.commit = noted_commit
     gc.collect()  # both interpreters start from the same collected heap
-    gc.callbacks.append(hook)
+    gc.callbacks.append(pauses.hook)
     try:
         sim.run()
     finally:
-        gc.callbacks.remove(hook)
-    return {"decisions": len(notes_s), "decisions_digest": decided.hexdigest(), "collections": counts,
-            "paused_ms": {g: round(s * 1e3, 2) for g, s in paused.items()},
+        gc.callbacks.remove(pauses.hook)
+    return {"decisions": len(notes_s), "decisions_digest": decided.hexdigest(), "collections": pauses.total,
+            "paused_ms": {g: round(s * 1e3, 2) for g, s in pauses.paused.items()},
             "notes_mean_us": round(statistics.fmean(notes_s) * 1e6, 2) if notes_s else None}
 
 

@@ -61,13 +61,20 @@ PAIRS = (("consistent-hash", "coding-agent"), ("coding-agent", "consistent-hash"
 REPLICAS = 100
 
 
-def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s: float,
-            keep_gc: bool = False) -> dict[str, object]:
+def replay_of(primary: str, copies: int, stagger_s: float, duration_s: float) -> tuple[list, ClusterSimulator]:  # type: ignore[type-arg]
+    """The committed traces' sessions (`copies` users per file) and the simulator that replays
+    them through `primary` on REPLICAS replicas; shared with benchmarks/shadow_collections.py."""
     arrivals = claude_code_arrivals(TRACE_SETS, copies=copies, stagger_s=stagger_s, max_context_tokens=262_144)
     config = SimConfig(replicas=REPLICAS, duration_s=duration_s, seed=1, warmup_s=0.0, warm_start=False)
     sim = ClusterSimulator(config, primary, load_workload("coding-agent"), arrivals=arrivals)
+    sim.engine.metrics = RouterMetrics()  # the live router counts shadow metrics; so does this
+    return arrivals, sim
+
+
+def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s: float,
+            keep_gc: bool = False) -> dict[str, object]:
+    arrivals, sim = replay_of(primary, copies, stagger_s, duration_s)
     engine = sim.engine
-    engine.metrics = RouterMetrics()  # the live router counts shadow metrics; so does this
     with_shadow = ((shadow, build_policy(shadow)),)
     commit = engine.commit
     clock = time.perf_counter
@@ -144,7 +151,7 @@ def measure(primary: str, shadow: str, copies: int, stagger_s: float, duration_s
 class _Pauses:
     """A `gc.callbacks` hook: every collection's pause, summed per timed region (`region`: False
     while the notes are worked out without the shadow, True with it, None elsewhere), and the
-    whole run's collections per generation."""
+    whole run's collections and their summed pauses (seconds) per generation."""
 
     def __init__(self, clock) -> None:  # type: ignore[no-untyped-def]
         self.clock = clock
@@ -152,16 +159,19 @@ class _Pauses:
         self.in_region = {False: 0.0, True: 0.0}
         self.counts = {False: 0, True: 0}
         self.total: dict[str, int] = {}
+        self.paused: dict[str, float] = {}
         self._started = 0.0
 
     def hook(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = self.clock()
             return
+        pause = self.clock() - self._started
         generation = str(info["generation"])
         self.total[generation] = self.total.get(generation, 0) + 1
+        self.paused[generation] = self.paused.get(generation, 0.0) + pause
         if self.region is not None:
-            self.in_region[self.region] += self.clock() - self._started
+            self.in_region[self.region] += pause
             self.counts[self.region] += 1
 
 

@@ -139,3 +139,4 @@ def test_pauses_are_summed_per_timed_call_and_counted_per_generation() -> None:
     assert pauses.in_region == {False: 0.5, True: 5.0}
     assert pauses.counts == {False: 1, True: 2}
     assert pauses.total == {"0": 3, "1": 1}
+    assert pauses.paused == {"0": 3.5, "1": 3.0}
