@@ -143,6 +143,20 @@ def _add_load_shape(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=0.0, help="model seconds at the start left out of the results")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from kvrouter.loadtest.commands import cmd_compare as run
 
@@ -150,8 +164,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvrouter.loadtest.commands import _int_list, _name_list
-
     p = sub.add_parser("compare", help="compare routing policies and external routers on simulated replicas")
     p.add_argument("--replicas", type=int, default=8, help="simulated replicas (started once)")
     p.add_argument("--profile", default="kimi-k2.6-b200-tp4", help="replica profile name or YAML path")
@@ -178,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvrouter.loadtest import commands as c
+    from kvrouter.loadtest import demo_settings as c
 
     p = sub.add_parser("demo", help="the main job: coding-agent routing vs baselines on simulated replicas")
     p.add_argument("--out-dir", default=c.DEMO_OUT_DIR, help=f"report and charts (default ./{c.DEMO_OUT_DIR})")
@@ -201,7 +213,7 @@ def _add_config_schema(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvrouter.loadtest.simulate import add_parser
+    from kvrouter.loadtest.simulate_args import add_parser
 
     add_parser(sub)
 
