@@ -94,11 +94,13 @@ def verdict(summary: Mapping[str, Any], default: str) -> list[str]:
         apart_worse = mine["max"] < theirs["min"] if higher else mine["min"] > theirs["max"]
         said = (f"{label}: {default} {_fmt(mine['mean'], kind)} against {best_other}'s "
                 f"{_fmt(theirs['mean'], kind)} (mean of {n} rounds)")
-        if mine["wins"] == n and apart:
+        if _fmt(mine["mean"], kind) == _fmt(theirs["mean"], kind):
+            # (a difference the figures shown cannot show is not a lead either way)
+            lines.append(f"{said}: level on average; {default} is best in {mine['wins']} of {n} rounds.")
+            losses.append(label)
+        elif mine["wins"] == n and apart:
             lines.append(f"{said}: {default} is best in every round, and its worst round beats "
                          f"{best_other}'s best.")
-        elif abs(mine["mean"] - theirs["mean"]) <= 1e-9:
-            lines.append(f"{said}: level on average.")
         elif better:
             lines.append(f"{said}: {default} is ahead on average and best in {mine['wins']} of {n} "
                          f"rounds; " + ("the ranges do not overlap." if apart else

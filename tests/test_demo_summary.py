@@ -43,9 +43,19 @@ def test_verdict_names_where_the_default_does_not_win_and_calls_overlap_noise():
     assert "prefix_aware is ahead on average" in words[0] and "not a clear loss" in words[0]
     assert "TTFT p95: coding-agent 4.50 s against prefix_aware's 2.25 s" in text
     assert "prefix_aware is better on average and coding-agent is best in no round; the ranges do not overlap" in text
-    assert words[-1] == "Where coding-agent does not win here: cache-hit rate, TTFT p95."
+    assert "TTFT p50: coding-agent 0.15 s against prefix_aware's 0.15 s (mean of 2 rounds): level on average" in text
+    assert words[-1] == "Where coding-agent does not win here: cache-hit rate, TTFT p50, TTFT p95."
     report = demo_report("kvrouter demo --rounds 2", [0, 1], summarize_rounds(rounds, POLICIES), words)
     assert "[seed 1](round-1/report.md)" in report and "- Where coding-agent does not win" in report
+
+
+def test_a_lead_the_printed_figures_cannot_show_is_level_and_not_a_win():
+    # TTFT p50 0.131 s against 0.134 s: both print as 0.13 s
+    rounds = rounds_where([(0.9, 0.131, 1.0)], [(0.8, 0.134, 2.0)], [(0.7, 0.2, 3.0)])
+    words = verdict(summarize_rounds(rounds, POLICIES), "coding-agent")
+    assert "TTFT p50: coding-agent 0.13 s against prefix_aware's 0.13 s (mean of 1 rounds): level on average; " \
+           "coding-agent is best in 1 of 1 rounds." in words
+    assert words[-1] == "Where coding-agent does not win here: TTFT p50."
 
 
 def test_demo_refuses_zero_rounds(capsys):
