@@ -1,0 +1,118 @@
+"""A router's CPU while it serves nothing: what polling its replicas costs, all day long.
+
+Starts `--replicas` simulated replicas (`kvrouter sim-replica`, idle), then, `--rounds` times, a
+`kvrouter serve` of this checkout in front of them with the default signals settings (each
+replica's /metrics scraped every 0.25 s) and one with `signals.interval_s` 10 s (what the router
+costs with next to no polls), and reads each router's CPU from the scheduler's account
+(/proc/PID/task/*/schedstat, nanoseconds) over `--seconds` after a `--settle` wait.
+
+    python benchmarks/poll_cpu.py [--replicas 4] [--seconds 10] [--rounds 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from portable import code_version, machine_facts, portable_command  # noqa: E402
+
+from kvrouter.loadtest.process_group import free_port  # noqa: E402
+
+SETUPS = {"default": {}, "interval_10s": {"signals": {"interval_s": 10.0}}}
+
+
+def runtime_ns(pid: int) -> int:
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return total
+
+
+def wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise SystemExit(f"poll_cpu.py: nothing listening on {port} after {timeout_s:g} s")
+
+
+def router_cpu_ms_per_s(urls: list[str], config: dict, settle_s: float, seconds: float) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        json.dump(config, f)  # JSON is YAML
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvrouter.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--config", f.name, *(a for u in urls for a in ("--replica", u))]
+    router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port)
+        time.sleep(settle_s)
+        before = runtime_ns(router.pid)
+        time.sleep(seconds)
+        return (runtime_ns(router.pid) - before) / seconds / 1e6
+    finally:
+        router.terminate()
+        router.wait()
+        os.unlink(f.name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured per router and round")
+    parser.add_argument("--settle", type=float, default=3.0, help="wait after the router listens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    ports = [free_port() for _ in range(args.replicas)]
+    replicas = [subprocess.Popen([sys.executable, "-m", "kvrouter.cli", "sim-replica", "--host", "127.0.0.1",
+                                  "--port", str(p)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for p in ports]
+    results: dict[str, list[float]] = {name: [] for name in SETUPS}
+    try:
+        for p in ports:
+            wait_listening(p)
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for r in range(args.rounds):
+            for name, config in SETUPS.items():
+                value = router_cpu_ms_per_s(urls, config, args.settle, args.seconds)
+                results[name].append(round(value, 3))
+                print(f"round {r + 1} {name}: {value:.2f} ms of CPU per second", flush=True)
+    finally:
+        for proc in replicas:
+            proc.terminate()
+            proc.wait()
+    polls_per_s = args.replicas / 0.25
+    summary = {name: {"median_ms_per_s": statistics.median(v), "rounds": v} for name, v in results.items()}
+    per_poll = (summary["default"]["median_ms_per_s"] - summary["interval_10s"]["median_ms_per_s"]) / polls_per_s
+    print(f"median: default {summary['default']['median_ms_per_s']:.2f} ms/s, "
+          f"interval 10 s {summary['interval_10s']['median_ms_per_s']:.2f} ms/s; "
+          f"~{per_poll * 1000:.0f} us per poll ({polls_per_s:g} polls a second)")
+    if args.json:
+        out = {"command": portable_command(sys.argv), "code": code_version(), "machine": machine_facts(load_before),
+               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": vars(args), "results": summary,
+               "us_per_poll": round(per_poll * 1000, 1)}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
