@@ -136,7 +136,7 @@ class Router:
                                                  *policy_marks(policy))  # kept up with reloads
         self.poller = SignalPoller(
             self.registry, self.metrics, config.signals, clock, on_signals=self._on_signals,
-            on_rank_loads=self.ranks.update if self.ranks is not None else None,
+            on_rank_loads=self.ranks.update if self.ranks is not None else None, headers=inject,
         )
         obs = config.observability
         self.decision_log: DecisionLog | None = None
@@ -164,7 +164,8 @@ class Router:
         if pd.enabled:
             self.decode_pool = DecodePool(pd.decode, self.metrics, random.Random(),
                                           config.signals.failure_threshold)
-            self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock)
+            self.decode_poller = SignalPoller(self.decode_pool.registry, self.metrics, config.signals, clock,
+                                              headers=inject)
             self.relay.pd = PDForwarder(self.relay, self.decode_pool, pd, dp_size=dp_size)
             self.membership.on_disaggregation = self._reload_disaggregation
         self.housekeeping = Housekeeping(self.engine, self.membership, self.affinity, self.metrics,
@@ -285,15 +286,13 @@ class Router:
     async def _lifecycle(self, server: object) -> AsyncIterator[None]:
         await self.relay.start()
         await self.affinity.start()
-        assert self.relay.session is not None
-        session = self.relay.session
         tasks = [  # a crash restarts the loop (logged, counted), never silently ends it
-            spawn("signal-poller", lambda: self.poller.run(session), metrics=self.metrics),
+            spawn("signal-poller", self.poller.run, metrics=self.metrics),
             spawn("housekeeping", self.housekeeping.run, metrics=self.metrics),
         ]
         decode_poller = self.decode_poller
         if decode_poller is not None:
-            tasks.append(spawn("decode-poller", lambda: decode_poller.run(session), metrics=self.metrics))
+            tasks.append(spawn("decode-poller", decode_poller.run, metrics=self.metrics))
         if self.kv_events is not None:
             self.kv_events.start(self.registry.urls())
         if self.peer_share is not None:
@@ -310,6 +309,9 @@ class Router:
                 await task
         await self.affinity.close()
         await self.relay.close()
+        await self.poller.aclose()
+        if decode_poller is not None:
+            await decode_poller.aclose()
         if self.tokenize_pool is not None:
             self.tokenize_pool.close()
         if self.decision_log is not None:

@@ -5,6 +5,7 @@ Real servers on 127.0.0.1 (simulated replicas with --dp-size, scriptable fakes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -124,6 +125,6 @@ async def test_per_rank_loads_are_forgotten_when_the_poll_fails(closed_port_url)
     assert [v.load for v in ranks.views(closed_port_url, ())] == [9, 0]
     poller = SignalPoller(ReplicaRegistry([closed_port_url]), RouterMetrics(),
                           SignalsConfig(source="loads"), on_rank_loads=ranks.update)
-    async with aiohttp.ClientSession() as s:
-        await poller.poll(s, closed_port_url)
+    async with contextlib.aclosing(poller):
+        await poller.poll(closed_port_url)
     assert [v.load for v in ranks.views(closed_port_url, ())] == [0, 0]

@@ -187,20 +187,24 @@ async def test_decision_notes_are_worked_out_once_the_request_is_sent(start_app,
     events: list[str] = []
     made, notes = upstream_http._Connection.connection_made, RoutingEngine.notes
 
+    relay_pools: list[Any] = []  # the relay's own: the poller's scrapes use the same client
+
     class LoggedTransport:
-        def __init__(self, inner: Any) -> None:
+        def __init__(self, inner: Any, pool: Any) -> None:
             self._inner = inner
+            self._pool = pool
 
         def write(self, data: bytes) -> None:
             self._inner.write(data)
-            events.append("upstream_write")
+            if self._pool in relay_pools:
+                events.append("upstream_write")
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
 
     def logged_made(self, transport) -> None:
         made(self, transport)
-        self.transport = LoggedTransport(self.transport)
+        self.transport = LoggedTransport(self.transport, self.pool)
 
     def logged_notes(self, *args, **kwargs):
         events.append("notes")
@@ -213,6 +217,7 @@ async def test_decision_notes_are_worked_out_once_the_request_is_sent(start_app,
     path = tmp_path / "decisions.jsonl"
     router, url, replica = await _logged_router(start_app, start_router, path, release,
                                                 routing={"shadow": ["consistent-hash"]})
+    relay_pools.append(router.relay.pool)
     async with ClientSession() as client:
         for _ in range(2):  # the second goes on the pooled connection
             async with client.post(url + "/v1/chat/completions", json=CHAT) as resp:

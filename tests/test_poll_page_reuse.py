@@ -3,7 +3,8 @@ prometheus_client's parser, with the same signals either way."""
 
 from __future__ import annotations
 
-import aiohttp
+import contextlib
+
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,18 +52,18 @@ async def test_an_unchanged_page_is_parsed_once_and_a_changed_one_again(replica,
     registry = ReplicaRegistry([url])
     seen = []
     poller = SignalPoller(registry, RouterMetrics(), SignalsConfig(), on_signals=lambda u, s: seen.append(s))
-    async with aiohttp.ClientSession() as session:
-        await poller.poll_all(session)
-        await poller.poll_all(session)
+    async with contextlib.aclosing(poller):
+        await poller.poll_all()
+        await poller.poll_all()
         assert len(parsed) == 1  # the same bytes: the same signals, not parsed again
         assert len(seen) == 2 and seen[1] is seen[0] and seen[0].num_running_reqs == 7
         assert registry.view(url).num_running_reqs == 7
         pages["body"] = page(3)
-        await poller.poll_all(session)
+        await poller.poll_all()
         assert len(parsed) == 2
         assert seen[2].num_running_reqs == 3 and registry.view(url).num_running_reqs == 3
         registry.remove(url)
-        await poller.poll_all(session)
+        await poller.poll_all()
     assert poller.last_page == {}  # a removed replica's page is not kept
 
 
@@ -124,10 +125,10 @@ async def test_an_infinite_count_is_a_failed_poll_not_a_dead_poller(replica, run
         parse_metrics_text(pages["body"].decode())
     metrics = RouterMetrics()
     poller = SignalPoller(ReplicaRegistry([url]), metrics, SignalsConfig())
-    async with aiohttp.ClientSession() as session:
-        await poller.poll_all(session)
+    async with contextlib.aclosing(poller):
+        await poller.poll_all()
         pages["body"] = page(3)
-        await poller.poll_all(session)
+        await poller.poll_all()
     assert metrics.poll_errors.labels(url)._value.get() == 1
     assert poller.registry.view(url).num_running_reqs == 3
 
@@ -139,14 +140,14 @@ async def test_a_reused_page_keeps_the_signals_fresh_and_a_readded_replica_gets_
     now = {"t": 0.0}
     registry = ReplicaRegistry([url])
     poller = SignalPoller(registry, RouterMetrics(), SignalsConfig(stale_after_s=2.0), clock=lambda: now["t"])
-    async with aiohttp.ClientSession() as session:
+    async with contextlib.aclosing(poller):
         for t in (0.0, 1.5, 3.0, 4.5):  # each poll inside stale_after_s of the last one
             now["t"] = t
-            await poller.poll_all(session)
+            await poller.poll_all()
             assert registry.view(url).num_running_reqs == 7
         assert poller.last_update[url] == 4.5
         registry.remove(url)
         registry.add(url)
         assert registry.view(url).num_running_reqs is None
-        await poller.poll_all(session)
+        await poller.poll_all()
         assert registry.view(url).num_running_reqs == 7

@@ -6,9 +6,9 @@ running them back to back, and stopping the poller cancels the scrapes still und
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -92,7 +92,7 @@ def watched_poller(urls: list[str], config: SignalsConfig, *, held: tuple[str, .
     under_way: set[str] = set()
     poll, expire_stale = poller.poll, poller.expire_stale
 
-    async def watched_poll(session: aiohttp.ClientSession, url: str) -> None:
+    async def watched_poll(url: str) -> None:
         scrape = Scrape(url, time.now)
         watch.scrapes.append(scrape)
         if url in under_way:
@@ -101,7 +101,7 @@ def watched_poller(urls: list[str], config: SignalsConfig, *, held: tuple[str, .
         if url not in held and url not in times_out:
             time.answering.add(url)
         try:
-            await poll(session, url)
+            await poll(url)
         except asyncio.CancelledError:
             scrape.cancelled = True
             raise
@@ -156,8 +156,8 @@ async def test_a_replica_whose_scrape_is_under_way_is_skipped_until_it_ends(star
     answering = [(await start_replica())[0] for _ in range(2)]
     slow, release = await start_replica(hold=True)
     poller, watch = watched_poller([*answering, slow], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(slow,))
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
+    async with contextlib.aclosing(poller):
+        task = asyncio.create_task(poller.run())
         try:
             await _until(lambda: len(watch.started(answering[0])) >= 3, timeout_s=5.0)
             assert watch.started(answering[0])[:3] == pytest.approx([0.0, 1.0, 2.0])
@@ -199,8 +199,8 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
             raise RuntimeError("bug in a signals hook")
 
     poller.on_signals = on_signals
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
+    async with contextlib.aclosing(poller):
+        task = asyncio.create_task(poller.run())
         try:
             await _until(lambda: watch.started(slow) != [])
             release.set()
@@ -215,8 +215,8 @@ async def test_an_unexpected_error_in_a_scrape_ends_the_loop_only_once_the_other
 
 async def run_until(poller, done) -> None:
     """Run the poller's loop until `done()` holds, then stop it."""
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
+    async with contextlib.aclosing(poller):
+        task = asyncio.create_task(poller.run())
         try:
             await _until(done)
         finally:
@@ -273,8 +273,8 @@ async def test_a_replica_removed_while_it_is_scraped_leaves_nothing_when_the_scr
     signalled: list[str] = []
     poller.on_signals = lambda url, signals: signalled.append(url)
     poller.on_rank_loads = lambda url, per_rank: signalled.append(url)
-    async with aiohttp.ClientSession() as session:
-        round_ = asyncio.create_task(poller.poll_all(session))
+    async with contextlib.aclosing(poller):
+        round_ = asyncio.create_task(poller.poll_all())
         await _until(lambda: watch.started(answers) and watch.started(times_out))
         for url in (answers, times_out):
             poller.registry.remove(url)
@@ -293,8 +293,8 @@ async def test_the_scrape_of_a_removed_replica_is_cancelled_at_the_end_of_the_ne
     stays, _ = await start_replica()
     hung, _ = await start_replica(hold=True)
     poller, watch = watched_poller([stays, hung], SignalsConfig(interval_s=1.0, timeout_s=30.0), held=(hung,))
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
+    async with contextlib.aclosing(poller):
+        task = asyncio.create_task(poller.run())
         try:
             await _until(lambda: watch.started(hung) != [])
             poller.registry.remove(hung)
@@ -314,15 +314,15 @@ async def test_a_replica_added_back_is_new_to_the_poller(start_replica):
     url, release = await start_replica(hold=True)
     poller, watch = watched_poller([url], SignalsConfig(), held=(url,))
     release.set()
-    async with aiohttp.ClientSession() as session:
-        await poller.poll_all(session)
+    async with contextlib.aclosing(poller):
+        await poller.poll_all()
         assert poller.up_count() == 1
         poller.registry.remove(url)
         poller.metrics.forget_replica(url)
-        await poller.poll_all(session)  # a round without it
+        await poller.poll_all()  # a round without it
         poller.registry.add(url)
         release.clear()  # its first scrape as a new replica has not answered yet
-        round_ = asyncio.create_task(poller.poll_all(session))
+        round_ = asyncio.create_task(poller.poll_all())
         await _until(lambda: len(watch.started(url)) == 2)
         assert poller.up_count() == 0
         poller.expire_stale()

@@ -4,8 +4,8 @@ same instant (each scrape costs the replica CPU; four at once stall replicas tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -66,11 +66,11 @@ def timed_poller(urls: list[str], config: SignalsConfig) -> tuple[SignalPoller, 
     scraped: list[tuple[str, float]] = []
     poll = poller.poll
 
-    async def timed_poll(session: aiohttp.ClientSession, url: str) -> None:
+    async def timed_poll(url: str) -> None:
         scraped.append((url, time.now))
         time.answering.add(url)
         try:
-            await poll(session, url)
+            await poll(url)
         finally:
             time.answering.discard(url)
 
@@ -88,8 +88,8 @@ async def test_a_round_spreads_its_scrapes_evenly_over_the_interval(replicas):
     urls = replicas
     poller, scraped = timed_poller(urls, SignalsConfig(interval_s=1.0))
     registry = poller.registry
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poller.run(session))
+    async with contextlib.aclosing(poller):
+        task = asyncio.create_task(poller.run())
         try:
             await _until(lambda: len(scraped) >= 8)  # two whole rounds
         finally:
@@ -108,8 +108,8 @@ async def test_a_round_spreads_its_scrapes_evenly_over_the_interval(replicas):
 async def test_poll_all_without_a_spread_scrapes_every_replica_at_once(replicas):
     urls = replicas
     poller, scraped = timed_poller(urls, SignalsConfig())
-    async with aiohttp.ClientSession() as session:
-        await poller.poll_all(session)
+    async with contextlib.aclosing(poller):
+        await poller.poll_all()
     assert sorted(u for u, _ in scraped) == sorted(urls)
     assert {t for _, t in scraped} == {0.0}
     assert all(poller.registry.view(u).num_running_reqs == 7 for u in urls)
@@ -129,9 +129,9 @@ async def test_one_scrape_failing_unexpectedly_spares_the_rest_of_the_round(repl
         signalled.append(url)
 
     poller.on_signals = on_signals
-    async with aiohttp.ClientSession() as session:
+    async with contextlib.aclosing(poller):
         with pytest.raises(RuntimeError, match="bug in a signals hook"):
-            await poller.poll_all(session, spread_s=1.0)
+            await poller.poll_all(spread_s=1.0)
     assert [u for u, _ in scraped] == urls
     assert sorted(signalled) == sorted(urls[1:])
     assert all(poller.registry.view(u).num_running_reqs == 7 for u in urls)
@@ -151,8 +151,8 @@ async def test_a_replica_removed_before_its_turn_in_the_round_is_not_scraped(rep
         poller.registry.remove(urls[-1])
 
     poller.sleep = sleep_then_remove_the_last
-    async with aiohttp.ClientSession() as session:
-        await poller.poll_all(session, spread_s=1.0)
+    async with contextlib.aclosing(poller):
+        await poller.poll_all(spread_s=1.0)
     assert [u for u, _ in scraped] == urls[:-1]
     assert sorted(signalled) == sorted(urls[:-1])
     assert urls[-1] not in poller.reached and urls[-1] not in poller.last_update
