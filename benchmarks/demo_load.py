@@ -9,8 +9,8 @@ For each user count and seed, runs
 
 (the demo's 4 replicas, 3.3 model minutes, ramp and warm-up; the live signals' age at time
 scale 8; the load driver's warm start and reply lengths), then prints per user count each
-policy's mean over the seeds and the number of seeds in which it was best, and writes that table
-to OUT/summary.json.
+policy's mean over the seeds and the number of seeds in which it was best (a tie counts for each
+tied policy), and writes that table to OUT/summary.json.
 
     python benchmarks/demo_load.py [--users 12,16,20,24,32,40,48] [--seeds 12] [--out-dir DIR]
 """
@@ -54,8 +54,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for key, higher in METRICS:
         best = {p: 0 for p in POLICIES}
         for run in results:
-            pick = max if higher else min
-            best[pick(POLICIES, key=lambda p: run[p][key])] += 1
+            top = (max if higher else min)(run[p][key] for p in POLICIES)
+            for p in POLICIES:  # a tie counts for each tied policy
+                best[p] += run[p][key] == top
         for p in POLICIES:
             table[p][key] = {"mean": round(statistics.fmean(run[p][key] for run in results), 4),
                              "best_in": best[p]}
