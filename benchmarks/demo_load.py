@@ -8,7 +8,8 @@ For each user count and seed, runs
       --warmup 60 --eos-median 256 --json OUT/users-USERS-seed-SEED.json
 
 (the demo's 4 replicas, 3.3 model minutes, ramp and warm-up; the live signals' age at time
-scale 8; the load driver's warm start and reply lengths), then prints per user count each
+scale 8; the load driver's warm start and reply lengths; a seed's JSON already in OUT is read,
+not simulated again: empty OUT to rerun at another commit), then prints per user count each
 policy's mean over the seeds and the number of seeds in which it was best (a tie counts for each
 tied policy), and writes that table to OUT/summary.json.
 

@@ -54,18 +54,17 @@ def process_cpu_s(pid: int) -> float:
 
 
 def _install_before() -> None:
-    """The poller as it was: every page decoded and its gauge lines parsed by
-    ``prometheus_client``, poll after poll, even when the page is the same bytes."""
+    """The poller's parsing as it was (over its current HTTP client): every page decoded and
+    its gauge lines parsed by ``prometheus_client``, poll after poll, even when the page is the
+    same bytes."""
     from kvrouter.router import poller
     from kvrouter.sglang_protocol import signals
 
-    async def scrape(self: Any, session: aiohttp.ClientSession, url: str) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-        async with session.get(url + "/metrics", timeout=timeout) as resp:
-            body = await resp.read()
-            if resp.status == 200:
-                return poller.parse_metrics_text(body.decode("utf-8", "replace"))
-            raise poller.SignalParseError(f"/metrics answered {resp.status}")
+    async def scrape(self: Any, url: str) -> Any:
+        status, body = await self._get(url, "/metrics")
+        if status == 200:
+            return poller.parse_metrics_text(body.decode("utf-8", "replace"))
+        raise poller.SignalParseError(f"/metrics answered {status}")
 
     poller.SignalPoller._scrape = scrape
     signals.plain_samples = lambda text: None
@@ -75,12 +74,12 @@ def _count_polls(counts: dict[str, float]) -> None:
     """Count poll rounds, pages parsed, their bytes and the CPU of parsing them."""
     from kvrouter.router import poller
 
-    poll_all = poller.SignalPoller.poll_all
+    start_round = poller.SignalPoller._start_round
     parse = poller.parse_metrics_text
 
-    async def counted_poll_all(self: Any, session: aiohttp.ClientSession) -> None:
+    async def counted_start_round(self: Any, *args: Any, **kwargs: Any) -> None:
         counts["rounds"] += 1
-        await poll_all(self, session)
+        await start_round(self, *args, **kwargs)
 
     def counted_parse(text: str) -> Any:
         started = time.thread_time()
@@ -91,7 +90,7 @@ def _count_polls(counts: dict[str, float]) -> None:
             counts["pages"] += 1
             counts["page_bytes"] += len(text)
 
-    poller.SignalPoller.poll_all = counted_poll_all
+    poller.SignalPoller._start_round = counted_start_round
     poller.parse_metrics_text = counted_parse
 
 

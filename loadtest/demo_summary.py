@@ -93,7 +93,7 @@ def verdict(summary: Mapping[str, Any], default: str) -> list[str]:
         apart = mine["min"] > theirs["max"] if higher else mine["max"] < theirs["min"]
         apart_worse = mine["max"] < theirs["min"] if higher else mine["min"] > theirs["max"]
         said = (f"{label}: {default} {_fmt(mine['mean'], kind)} against {best_other}'s "
-                f"{_fmt(theirs['mean'], kind)} (mean of {n} rounds)")
+                f"{_fmt(theirs['mean'], kind)} (mean of {n} round{'' if n == 1 else 's'})")
         if _fmt(mine["mean"], kind) == _fmt(theirs["mean"], kind):
             # (a difference the figures shown cannot show is not a lead either way)
             lines.append(f"{said}: level on average; {default} is best in {mine['wins']} of {n} rounds.")

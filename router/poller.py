@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 from multidict import CIMultiDict
+from yarl import URL
 
 from ..metrics.router_metrics import RouterMetrics
 from ..sglang_protocol.loads import parse_loads_json, parse_rank_loads
@@ -28,8 +29,38 @@ from .config import SignalsConfig
 from .replicas import ReplicaRegistry
 from .upstream_errors import UpstreamError
 from .upstream_http import UpstreamPool
+from .upstream_response import UpstreamResponse
 
 log = logging.getLogger("kvrouter.poller")
+
+# A scrape follows this many redirects within the replica's origin (as a browser-like client
+# would; SGLang itself answers /metrics directly).
+_MAX_REDIRECTS = 3
+_REDIRECTS = frozenset((301, 302, 303, 307, 308))
+# A page larger than this is refused, not read into memory whole (SGLang's is tens of KB).
+_MAX_PAGE_BYTES = 16 << 20
+
+
+async def _read_capped(response: UpstreamResponse, path: str) -> bytes:
+    parts, size = [], 0
+    while chunk := await response.readany():
+        size += len(chunk)
+        if size > _MAX_PAGE_BYTES:
+            raise SignalParseError(f"{path}: answer over {_MAX_PAGE_BYTES} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _same_origin(url: str, requested: str, location: str | None, path: str) -> tuple[str, str]:
+    """(origin, path and query) of a redirect from `requested` to `location`, which must stay on
+    the origin of the replica at `url`."""
+    if not location:
+        raise SignalParseError(f"{path}: a redirect without a Location")
+    target = URL(requested).join(URL(location))
+    origin = URL(url).origin()
+    if target.origin() != origin:
+        raise SignalParseError(f"{path}: redirected off the replica, to {location}")
+    return str(origin), target.raw_path_qs
 
 
 class SignalPoller:
@@ -71,13 +102,20 @@ class SignalPoller:
         return sum(1 for v in self.registry.snapshot().replicas if v.healthy and v.id in self.reached)
 
     async def _get(self, url: str, path: str) -> tuple[int, bytes]:
-        """Status and body of GET `path` on the replica at `url` (raises UpstreamError)."""
+        """Status and body of GET `path` on the replica at `url`, following redirects within
+        the replica's origin (raises UpstreamError, or SignalParseError for a redirect
+        elsewhere, too many redirects or a page over `_MAX_PAGE_BYTES`)."""
         self._hosts.add(url)
-        response = await self.pool.request("GET", url, path, CIMultiDict(self.headers), b"")
-        try:
-            return response.status, await response.read()
-        finally:
-            response.close()
+        base, target = url, path
+        for _ in range(_MAX_REDIRECTS + 1):
+            response = await self.pool.request("GET", base, target, CIMultiDict(self.headers), b"")
+            try:
+                if response.status not in _REDIRECTS:
+                    return response.status, await _read_capped(response, path)
+                base, target = _same_origin(url, base + target, response.headers.get("Location"), path)
+            finally:
+                response.close()
+        raise SignalParseError(f"{path}: more than {_MAX_REDIRECTS} redirects")
 
     async def _scrape(self, url: str) -> ReplicaSignals | None:
         """Signals, or None when the replica is alive but exposes none. Raises on failure."""
@@ -190,6 +228,7 @@ class SignalPoller:
         for url in [u for u in self._hosts if u not in self.registry]:  # their idle connections
             self._hosts.discard(url)
             self.pool.forget_replica(url)
+            self.pool.forget_replica(str(URL(url).origin()))  # (a redirect's; shared ones are kept)
         self.expire_stale()
         if self._errors:
             if self._scrapes:

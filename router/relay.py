@@ -80,7 +80,7 @@ class Relay(StreamRelay):
         self.metrics = metrics
         self.config = config
         self.clock = clock
-        self.session: aiohttp.ClientSession | None = None  # control plane: polls, /v1/models
+        self.session: aiohttp.ClientSession | None = None  # control plane: /v1/models
         self._loop: asyncio.AbstractEventLoop | None = None  # the running one, from start()
         self.pool = UpstreamPool(config.connect_timeout_s, config.total_timeout_s,  # requests
                                  header_timeout_s=config.header_timeout_s,
@@ -103,7 +103,7 @@ class Relay(StreamRelay):
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             timeout=self.timeout,
-            headers=self.inject_headers,  # also on polls and /v1/models
+            headers=self.inject_headers,  # also on /v1/models (the poller sends them itself)
         )
 
     def cut_requests(self, reason: str) -> int:

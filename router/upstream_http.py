@@ -1,10 +1,10 @@
-"""A lean HTTP/1.1 client for the relay's hot path: keep-alive connections pooled per replica,
-each request sent in one write, responses parsed by httptools (llhttp, the parser uvicorn uses)
-and handed to the relay as they arrive.
+"""A lean HTTP/1.1 client for the relay's hot path (and the poller's scrapes): keep-alive
+connections pooled per replica, each request sent in one write, responses parsed by httptools
+(llhttp, the parser uvicorn uses) and handed to the relay as they arrive.
 
 aiohttp's ClientSession spent about a third of the router's CPU on a small proxied request
 (tracing hooks, cookie handling, timeout contexts, response and payload objects); the relay
-needs none of that. Control-plane calls (polls, /v1/models) keep using aiohttp.
+needs none of that, nor does a scrape. /v1/models keeps using aiohttp.
 
 Only what the relay sends is supported: requests with a complete body (Content-Length), no
 HEAD, no upgrades. Responses may use Content-Length, chunked encoding or end at close.
@@ -287,8 +287,11 @@ def _serialize(method: str, target: str, host: str, headers: CIMultiDict[str],
     """The request's bytes: one string, or for a large body the head and the body's pieces,
     written together by one vectored write (no copy of the body behind its head)."""
     fields = field_lines(headers.items())
-    head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}Content-Length: {len(body)}\r\n\r\n"
-    if head.count("\n") != len(headers) + 4 or head.count("\r") != len(headers) + 4:
+    # A GET without a body (the poller's scrapes) says nothing of one (RFC 9110, 8.6).
+    length = "" if method == "GET" and not len(body) else f"Content-Length: {len(body)}\r\n"
+    head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{fields}{length}\r\n"
+    lines = len(headers) + (4 if length else 3)
+    if head.count("\n") != lines or head.count("\r") != lines:
         raise ValueError("line break in a request header")  # would smuggle a header or a request
     try:  # the client's fields, decoded as latin-1 by the data port: their very bytes
         encoded = head.encode("latin-1")

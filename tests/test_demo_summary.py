@@ -53,7 +53,7 @@ def test_a_lead_the_printed_figures_cannot_show_is_level_and_not_a_win():
     # TTFT p50 0.131 s against 0.134 s: both print as 0.13 s
     rounds = rounds_where([(0.9, 0.131, 1.0)], [(0.8, 0.134, 2.0)], [(0.7, 0.2, 3.0)])
     words = verdict(summarize_rounds(rounds, POLICIES), "coding-agent")
-    assert "TTFT p50: coding-agent 0.13 s against prefix_aware's 0.13 s (mean of 1 rounds): level on average; " \
+    assert "TTFT p50: coding-agent 0.13 s against prefix_aware's 0.13 s (mean of 1 round): level on average; " \
            "coding-agent is best in 1 of 1 rounds." in words
     assert words[-1] == "Where coding-agent does not win here: TTFT p50."
 
