@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvrouter.loadtest.process_group import free_port
 from kvrouter.metrics.router_metrics import RouterMetrics
 from kvrouter.router import poller as poller_module
 from kvrouter.router.config import SignalsConfig
@@ -24,7 +23,7 @@ from .test_poll_page_reuse import page
 
 
 @pytest.fixture
-async def server():
+async def server(start_app):
     """A replica whose /metrics answers as `state["metrics"]` says; every request's path and
     Authorization header, and every connection it accepted, are recorded."""
     state: dict[str, Any] = {"metrics": "page", "seen": [], "peers": set(), "lengths": set()}
@@ -55,12 +54,7 @@ async def server():
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/metrics/", moved)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", state
-    await runner.cleanup()
+    return await start_app(app), state
 
 
 def make_poller(url: str, **config: Any) -> SignalPoller:
