@@ -190,7 +190,9 @@ async def test_replica_sigkilled_mid_stream(tmp_path, start_router, fault_record
 
 
 async def _idle(url: str) -> bool:
-    return await running_reqs(url) == 0
+    """Nothing running, as /v1/loads says now and as the /metrics gauges the ledger reads say
+    (the simulated replica publishes those gauges on its own cadence, as SGLang does)."""
+    return await running_reqs(url) == 0 and (await sim_proc_counts("idle?", url)).running == 0
 
 
 class BlackHole:
