@@ -12,10 +12,10 @@ costs with next to no polls), and reads each router's CPU from the scheduler's a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,54 +24,29 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from dataplane import kvrouter_cmd, process  # noqa: E402
 from portable import code_version, machine_facts, portable_command  # noqa: E402
+from prompt_cpu import runtime_ns  # noqa: E402
 
 from kvrouter.loadtest.process_group import free_port  # noqa: E402
 from kvrouter.router.config import SignalsConfig  # noqa: E402
 
-SETUPS = {"default": {}, "interval_10s": {"signals": {"interval_s": 10.0}}}
-
-
-def runtime_ns(pid: int) -> int:
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:
-            pass  # a thread that ended meanwhile
-    return total
-
-
-def wait_listening(port: int, timeout_s: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise SystemExit(f"poll_cpu.py: nothing listening on {port} after {timeout_s:g} s")
+QUIET_INTERVAL_S = 10.0  # next to no polls: what the router costs without them
+SETUPS = {"default": {}, "interval_10s": {"signals": {"interval_s": QUIET_INTERVAL_S}}}
 
 
 def router_cpu_ms_per_s(urls: list[str], config: dict, settle_s: float, seconds: float) -> float:
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump(config, f)  # JSON is YAML
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvrouter.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--config", f.name, *(a for u in urls for a in ("--replica", u))]
-    router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_listening(port)
-        time.sleep(settle_s)
-        before = runtime_ns(router.pid)
-        time.sleep(seconds)
-        return (runtime_ns(router.pid) - before) / seconds / 1e6
-    finally:
-        router.terminate()
-        router.wait()
-        os.unlink(f.name)
+    with tempfile.TemporaryDirectory(prefix="poll-cpu-") as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        port = free_port()
+        replicas = [a for u in urls[1:] for a in ("--replica", u)]
+        cmd = kvrouter_cmd(urls[0], port, "--host", "127.0.0.1", "--config", str(path), *replicas)
+        with process(cmd, port, "router", check=False) as router:
+            time.sleep(settle_s)
+            before = runtime_ns(router.pid)
+            time.sleep(seconds)
+            return (runtime_ns(router.pid) - before) / seconds / 1e6
 
 
 def main() -> int:
@@ -85,26 +60,21 @@ def main() -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     load_before = os.getloadavg()
-    ports = [free_port() for _ in range(args.replicas)]
-    replicas = [subprocess.Popen([sys.executable, "-m", "kvrouter.cli", "sim-replica", "--host", "127.0.0.1",
-                                  "--port", str(p)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for p in ports]
     results: dict[str, list[float]] = {name: [] for name in SETUPS}
-    try:
-        for p in ports:
-            wait_listening(p)
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(args.replicas):
+            port = free_port()
+            stack.enter_context(process([sys.executable, "-m", "kvrouter.cli", "sim-replica", "--host", "127.0.0.1",
+                                         "--port", str(port)], port, f"replica{i}", check=False))
+            urls.append(f"http://127.0.0.1:{port}")
         for r in range(args.rounds):
             for name, config in SETUPS.items():
                 value = router_cpu_ms_per_s(urls, config, args.settle, args.seconds)
                 results[name].append(round(value, 3))
                 print(f"round {r + 1} {name}: {value:.2f} ms of CPU per second", flush=True)
-    finally:
-        for proc in replicas:
-            proc.terminate()
-            proc.wait()
     # the scrapes the default setup makes a second more than the other (each replica once an interval)
-    polls_per_s = args.replicas / SignalsConfig().interval_s - args.replicas / 10.0
+    polls_per_s = args.replicas / SignalsConfig().interval_s - args.replicas / QUIET_INTERVAL_S
     summary = {name: {"median_ms_per_s": statistics.median(v), "rounds": v} for name, v in results.items()}
     # per scrape, with its share of the round's own work (timers, the round's end)
     per_poll = (summary["default"]["median_ms_per_s"] - summary["interval_10s"]["median_ms_per_s"]) / polls_per_s
