@@ -7,9 +7,10 @@ For each user count and seed, runs
       --policies coding-agent,prefix_aware,consistent_hash --warm-start-as-driver --ramp 60
       --warmup 60 --eos-median 256 --json OUT/users-USERS-seed-SEED.json
 
-(the demo's 4 replicas, 3.3 model minutes, ramp and warm-up; the live signals' age at time
-scale 8; the load driver's warm start and reply lengths; a seed's JSON already in OUT is read,
-not simulated again: empty OUT to rerun at another commit), then prints per user count each
+(the values of loadtest/demo_settings.py: the demo's 4 replicas, 3.3 model minutes, ramp and
+warm-up; the live signals' age at time scale 8; the load driver's warm start and reply lengths;
+a seed's JSON already in OUT is read, not simulated again: empty OUT to rerun at another
+commit), then prints per user count each
 policy's mean over the seeds and the number of seeds in which it was best (a tie counts for each
 tied policy), and writes that table to OUT/summary.json.
 
@@ -31,7 +32,16 @@ sys.path.insert(0, str(HERE))
 
 from portable import code_version, portable_command  # noqa: E402
 
-POLICIES = ("coding-agent", "prefix_aware", "consistent_hash")
+from kvrouter.loadtest.demo_settings import (  # noqa: E402
+    DEMO_DURATION_S, DEMO_POLICIES, DEMO_RAMP_S, DEMO_REPLICAS, DEMO_TIME_SCALE, DEMO_WARMUP_S)
+from kvrouter.router.config import SignalsConfig  # noqa: E402
+
+POLICIES = DEMO_POLICIES
+# The demo's run in model seconds, and the age of the live signals there (a poll interval of wall
+# time at its time scale).
+MODEL_DURATION_S = DEMO_DURATION_S * DEMO_TIME_SCALE
+POLL_INTERVAL_S = SignalsConfig().interval_s * DEMO_TIME_SCALE
+EOS_MEDIAN = 256  # the simulated replica's reply-length median (SimReplica.output_len_median)
 # (result key, higher is better)
 METRICS = (("cache_hit_rate", True), ("ttft_p50_s", False), ("ttft_p95_s", False))
 
@@ -40,10 +50,11 @@ def simulate(users: int, seed: int, out: Path) -> dict[str, Any]:
     """One simulation's results per policy (run unless `out` already holds it)."""
     if not out.exists():
         subprocess.run(
-            [sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", "4", "--sessions", str(users),
-             "--duration", "200", "--seed", str(seed), "--poll-interval", "2",
-             "--policies", ",".join(POLICIES), "--warm-start-as-driver", "--ramp", "60", "--warmup", "60",
-             "--eos-median", "256", "--json", str(out)],
+            [sys.executable, "-m", "kvrouter.cli", "simulate", "--replicas", str(DEMO_REPLICAS),
+             "--sessions", str(users), "--duration", f"{MODEL_DURATION_S:g}", "--seed", str(seed),
+             "--poll-interval", f"{POLL_INTERVAL_S:g}", "--policies", ",".join(POLICIES), "--warm-start-as-driver",
+             "--ramp", f"{DEMO_RAMP_S:g}", "--warmup", f"{DEMO_WARMUP_S:g}", "--eos-median", str(EOS_MEDIAN),
+             "--json", str(out)],
             check=True, stdout=subprocess.DEVNULL,
         )
     return json.loads(out.read_text())["results"]
