@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_sweep_report import write_outputs, write_sets_outputs  # noqa: E402
 from portable import code_version, portable_command  # noqa: E402
+from replica_bound import replica_reuse_bound  # noqa: E402
 from replay_accounting import cache_prediction, cpu_split, decision_rows, router_split  # noqa: E402
 from session_sets import set_dir  # noqa: E402
 
@@ -351,6 +352,8 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
                         "chars_per_token": point.chars_per_token, "capacity_tokens": capacity,
                         "capacity_median_sessions": round(
                             capacity * point.chars_per_token / TRACE_TOKEN_BYTES / sizes["median_peak_tokens"], 2),
+                        "reuse_bound": round(replica_reuse_bound(arrivals, point.kind, point.chars_per_token,
+                                                                 args.profile), 4),
                         "results": results})
     return out
 

@@ -51,6 +51,7 @@ CACHE_HIT_RATE = "sglang:cache_hit_rate"
 
 OUTPUT_WORDS = "the quick brown fox jumps over a lazy dog and returns "
 MAX_OUTPUT_RESERVE = 2048  # tokens of output reserved at admission, at most
+DEFAULT_PAGE_TOKENS = 32
 WAKE_WALL_S = 0.02  # engine wake-up granularity, wall seconds
 
 
@@ -267,7 +268,8 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def _prompt_of(route: str, body: dict) -> str:
+def prompt_text(route: str, body: dict) -> str:
+    """The text this replica tokenizes and caches: its own rendering of the chat messages."""
     if route == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -304,7 +306,7 @@ async def _serve(request: web.Request, route: str) -> web.StreamResponse:
         body = json.loads(await request.read())
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        prompt = _prompt_of(route, body)
+        prompt = prompt_text(route, body)
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 256)
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -403,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-total-tokens", type=int, default=300_000, help="KV capacity in tokens")
     p.add_argument("--chars-per-token", type=float, default=4.0, help="prompt bytes per token")
-    p.add_argument("--page-tokens", type=int, default=32)
+    p.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS)
     p.add_argument("--max-batch", type=int, default=16, help="running requests at most")
     p.add_argument("--time-scale", type=float, default=1.0, help="model seconds per wall second")
     p.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)

@@ -16,7 +16,7 @@ from .segment_keys import SegmentKeyCache
 from .turn_request import TurnRequest
 from .workload import quantile
 
-__all__ = ["reuse_bound", "trace_summary"]
+__all__ = ["nominal_requests", "reuse_bound", "trace_summary"]
 
 
 def _schedule(session: Any) -> list[tuple[float, TurnRequest]]:
@@ -35,26 +35,32 @@ def _schedule(session: Any) -> list[tuple[float, TurnRequest]]:
     return out
 
 
-def reuse_bound(arrivals: Iterable[tuple[float, Any]], page_size: int) -> float:
-    """The trace's own cache-hit bound: the fraction of prompt tokens in whole pages already seen
-    in an earlier request (infinite cache, requests in nominal start order: session start + the
-    trace's own offsets), on the page keys the simulator uses. Output pages are not counted (their
-    keys are unique; see :mod:`kvrouter.loadtest.trace_session`)."""
+def nominal_requests(arrivals: Iterable[tuple[float, Any]]) -> list[tuple[str, bool, TurnRequest]]:
+    """Every request of every session as (session id, last of its session?, request), in nominal
+    start order: session start + the trace's own offsets, no service time."""
     events = []
     for si, (at, session) in enumerate(arrivals):
         for ri, (offset, req) in enumerate(_schedule(session)):
             events.append((at + offset, si, ri, session.session_id, req))
     events.sort(key=lambda e: (e[0], e[1], e[2]))
-    last = {e[3]: e[2] for e in events}
+    last = {e[3]: i for i, e in enumerate(events)}
+    return [(e[3], last[e[3]] == i, e[4]) for i, e in enumerate(events)]
+
+
+def reuse_bound(arrivals: Iterable[tuple[float, Any]], page_size: int) -> float:
+    """The trace's own cache-hit bound: the fraction of prompt tokens in whole pages already seen
+    in an earlier request (infinite cache, requests in nominal start order), on the page keys the
+    simulator uses. Output pages are not counted (their keys are unique; see
+    :mod:`kvrouter.loadtest.trace_session`)."""
     keys = SegmentKeyCache(page_size, namespace="reuse-bound")
     seen: set[int] = set()
     hit = total = 0
-    for _, _, ri, sid, req in events:
+    for sid, last, req in nominal_requests(arrivals):
         pages = keys.keys(sid, req.segments)
         hit += sum(1 for k in pages if k in seen)
         seen.update(pages)
         total += req.prompt_tokens
-        if last[sid] == ri:
+        if last:
             keys.forget(sid)
     return hit * page_size / total if total else 0.0
 

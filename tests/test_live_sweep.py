@@ -59,6 +59,9 @@ def test_tiny_sweep_runs_end_to_end(tmp_path: Path) -> None:
         assert set(wait) == {"router", "replicas", "driver"} and len(wait["replicas"]) == 2
         assert all(x >= 0 for x in (wait["router"], wait["driver"], *wait["replicas"]))
     assert point["verdict"]["best_peer_hit"] == round(point["results"]["fake"]["cache_hit_rate"], 4)
+    # judged against the bound of its replicas' own tokens and pages, which no contender exceeds
+    assert 0 < point["reuse_bound"] < 1 and point["verdict"]["reuse_bound"] == point["reuse_bound"]
+    assert all(r["cache_hit_rate"] <= point["reuse_bound"] + 1e-4 for r in point["results"].values())
     assert "/" not in data["command"].split()[1] or not data["command"].split()[1].startswith("/")
     # the commit measured is saved with the results
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
