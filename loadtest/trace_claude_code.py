@@ -38,6 +38,7 @@ from .turn_request import Segment
 __all__ = ["CC_BLOCK_SIZE", "CC_SYSTEM_NAMESPACE", "claude_code_arrivals", "read_trace_file", "trace_file_stem"]
 
 CC_BLOCK_SIZE = 64
+Starts = tuple[tuple[int, str], ...]  # where messages start: (token offset, role)
 CC_SYSTEM_NAMESPACE = "cc-system"
 
 
@@ -133,15 +134,16 @@ def _cc_file_sessions(
 
     out: list[tuple[float, TraceSession]] = []
     parent_end: float | None = None
+    rendered: list[tuple[list[int], Starts]] = []  # every request so far, of any branch: its ids, its cuts
     for branch in branches:
         session_id = f"{trace_id}/{branch.name}" if branch.name else trace_id
         if branch.name and parent_end is not None and branch.t > parent_end:
             continue  # spawned after the parent's truncation point
         t0 = float(branch.requests[0].get("t", 0.0)) if branch.requests else 0.0
-        steps: list[TraceStep] = []
+        kept: list[tuple[dict[str, Any], list[int], float]] = []  # request, its block ids, its pause
         carry = 0.0  # think + service time of dropped requests, added to the next kept one
         for r in branch.requests:
-            if max_requests is not None and len(steps) >= max_requests:
+            if max_requests is not None and len(kept) >= max_requests:
                 break
             n_in, n_out = int(r["in"]), int(r.get("out") or 0)
             ids = r["hash_ids"]
@@ -151,20 +153,75 @@ def _cc_file_sessions(
             if max_context_tokens is not None and n_in + n_out > max_context_tokens:
                 carry += think + float(r.get("api_time") or 0.0)
                 continue
+            kept.append((r, ids, think + carry))
+            carry = 0.0
+        steps: list[TraceStep] = []
+        all_ids = [ids for _, ids, _ in kept]
+        for k, (r, ids, think) in enumerate(kept):
+            n_in, n_out = int(r["in"]), int(r.get("out") or 0)
             segs = [block(h) for h in ids]
             tail = n_in - len(ids) * block_size
             if tail > 0:
-                segs.append(Segment("user", tail, f"{session_id}/r{len(steps)}/tail"))
-            steps.append(
-                TraceStep(float(r.get("t", 0.0)) - t0, think + carry, tuple(segs), max(1, n_out), len(ids))
-            )
-            carry = 0.0
+                segs.append(Segment("user", tail, f"{session_id}/r{k}/tail",
+                                    text_key=_tail_text_key(all_ids, k, session_id, block)))
+            before = (all_ids[k - 1], int(kept[k - 1][0]["in"]), steps[-1]) if k else None
+            starts = _message_starts(ids, n_in, before, rendered, block_size)
+            steps.append(TraceStep(float(r.get("t", 0.0)) - t0, think, tuple(segs), max(1, n_out), len(ids), starts))
+            rendered.append((ids, starts))
         if not branch.name:
             if max_requests is not None and steps:
                 parent_end = steps[-1].offset_s
         if steps:
             out.append((branch.t, TraceSession(session_id, steps)))
     return out
+
+
+def _message_starts(ids: list[int], n_in: int, before: tuple[list[int], int, TraceStep] | None,
+                    rendered: list[tuple[list[int], Starts]], block_size: int) -> Starts:
+    """Where this request's messages start (see `TraceTurnRequest`). One that extends the previous
+    request of its branch keeps that request's messages and adds the answer to it (an assistant
+    message of its output length, less where the new text is shorter, as when reasoning is not
+    sent back) and a user message with the rest. Any other (the first, or after a prefix break)
+    takes the cuts of the earlier request of the file, of any branch, sharing the most whole
+    blocks with it, within what they share: equal tokens are then equal messages, so a live
+    cache reuses what the trace says it shares."""
+    if before is not None:
+        prev_ids, prev_in, prev = before
+        if len(ids) >= len(prev_ids) and ids[:len(prev_ids)] == prev_ids and n_in > prev_in:
+            answer = min(prev.out, n_in - prev_in - 1)  # the new input after it is never empty
+            cut = ((prev_in, "assistant"), (prev_in + answer, "user")) if answer else ((prev_in, "user"),)
+            return prev.message_starts + cut
+    shared, starts = 0, ()
+    for other_ids, other_starts in rendered:
+        n = 0
+        for a, b in zip(ids, other_ids):
+            if a != b:
+                break
+            n += 1
+        if n >= shared:
+            shared, starts = n, other_starts
+    end = shared * block_size
+    kept = tuple(c for c in starts if c[0] < end)
+    if kept and kept[-1][1] != "user":
+        kept += ((end, "user"),)  # a request ends with the user's turn
+    return kept
+
+
+def _tail_text_key(all_ids: list[list[int]], k: int, session_id: str, block: Any) -> str:
+    """Whose text request `k`'s partial last block starts with. A conversation only grows, so its
+    last tokens are the start of the whole block a later request of the same prefix has at that
+    position (the trace names whole blocks only): that block's key, else, while no later request
+    has it whole, a key shared by the requests with these same whole blocks."""
+    ids, n = all_ids[k], len(all_ids[k])
+    for later in all_ids[k + 1:]:
+        if len(later) < n or later[:n] != ids:
+            break
+        if len(later) > n:
+            return block(later[n]).key
+    first = k
+    while first > 0 and all_ids[first - 1] == ids:
+        first -= 1
+    return f"{session_id}/r{first}/tail"
 
 
 def _expand(paths: PathLike | Iterable[PathLike]) -> list[Path]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Union
 
-from .turn_request import ReplyLike, Segment, TurnRequest, reply_as_segment
+from .turn_request import CHARS_PER_TOKEN, ReplyLike, Segment, TurnRequest, reply_as_segment
 
 __all__ = ["TraceTurnRequest", "TraceStep", "TraceSession", "Arrivals", "PathLike"]
 
@@ -32,23 +32,42 @@ Arrivals = list[tuple[float, "TraceSession"]]
 @dataclass(frozen=True, slots=True)
 class TraceTurnRequest(TurnRequest):
     """A trace request. ``messages`` merges runs of same-role segments into one message (a prompt
-    is thousands of block segments); the merged text still extends the previous request's text, so
-    a live server's prefix cache sees the same sharing."""
+    is thousands of block segments) and cuts them where the trace's loader says a message starts
+    (``message_starts``): as a coding agent sends it, each request is the previous one's messages,
+    unchanged, then the previous answer and the new input as messages of their own."""
+
+    # (token offset in the prompt, role) where a new message starts inside a run
+    message_starts: tuple[tuple[int, str], ...] = ()
 
     @property
     def messages(self) -> list[dict[str, str]]:
         out: list[dict[str, str]] = []
         run: list[str] = []
         role = None
+        start = at = 0  # the run's and the next segment's token offsets
         for seg in self.segments:
             if seg.role != role and run:
-                out.append({"role": role, "content": "".join(run)})  # type: ignore[dict-item]
-                run = []
+                out += _cut(role, "".join(run), start, self.message_starts)  # type: ignore[arg-type]
+                run, start = [], at
             role = seg.role
             run.append(seg.text())
+            at += seg.tokens
         if run:
-            out.append({"role": role, "content": "".join(run)})  # type: ignore[dict-item]
+            out += _cut(role, "".join(run), start, self.message_starts)  # type: ignore[arg-type]
         return out
+
+
+def _cut(role: str, text: str, start: int, starts: tuple[tuple[int, str], ...]) -> list[dict[str, str]]:
+    """One run of text from token offset `start` as messages, cut at the `starts` inside it (trace
+    text is CHARS_PER_TOKEN characters a token)."""
+    out, begin = [], 0
+    for offset, next_role in starts:
+        cut = (offset - start) * CHARS_PER_TOKEN
+        if begin < cut < len(text):
+            out.append({"role": role, "content": text[begin:cut]})
+            role, begin = next_role, cut
+    out.append({"role": role, "content": text[begin:]})
+    return out
 
 
 @dataclass(slots=True)
@@ -60,6 +79,8 @@ class TraceStep:
     segments: tuple[Segment, ...]
     out: int
     n_blocks: int  # leading segments that are whole blocks (the rest: a partial tail)
+    # where its messages start inside a run of segments (see TraceTurnRequest)
+    message_starts: tuple[tuple[int, str], ...] = ()
 
 
 class TraceSession:
@@ -137,6 +158,7 @@ class TraceSession:
             compacted=compacted,
             new_tokens=prompt - reused,
             reused_tokens=reused,
+            message_starts=step.message_starts,
         )
 
     def __repr__(self) -> str:

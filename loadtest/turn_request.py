@@ -72,10 +72,13 @@ class Segment:
     key: str
     _text: str | None = field(default=None, repr=False)
     shared: bool = False  # same text in every session (the system prompt): its text is cached
+    # Make the text from this key instead of ``key`` (synthetic text is prefix-stable, so a short
+    # segment can be the start of a longer one's text while its key, for the simulator, stays its own).
+    text_key: str | None = None
 
     def text(self) -> str:
         if self._text is None:
-            self._text = (_shared_text if self.shared else synthetic_text)(self.key, self.tokens)
+            self._text = (_shared_text if self.shared else synthetic_text)(self.text_key or self.key, self.tokens)
         return self._text
 
     def message(self) -> dict[str, str]:

@@ -10,6 +10,7 @@ import pytest
 from kvrouter.loadtest.cluster_sim import ClusterSimulator, SimConfig
 from kvrouter.loadtest.segment_keys import SegmentKeyCache
 from kvrouter.loadtest.trace_claude_code import claude_code_arrivals
+from kvrouter.loadtest.sim_prompt import render_chat
 from kvrouter.loadtest.trace_mooncake import mooncake_arrivals
 from kvrouter.loadtest.trace_session import TraceSession
 from kvrouter.loadtest.trace_stats import reuse_bound, trace_summary
@@ -158,11 +159,28 @@ def test_live_rendering_extends_previous_prompt() -> None:
     assert reply.key == f"{session.session_id}/r0/reply" and reply.text() == "some reply text"
     r2 = session.next_requests(["some reply text"])[0]  # the reply does not change the next prompt
     m1, m2 = r1.messages, r2.messages
-    assert [m["role"] for m in m1] == [m["role"] for m in m2] == ["system", "user"]
-    assert m1[0] == m2[0]
-    assert len(m1[0]["content"]) + len(m1[1]["content"]) == 4 * r1.prompt_tokens
-    common = r2.reused_tokens * 4 - len(m1[0]["content"])
-    assert common > 0 and m2[1]["content"][:common] == m1[1]["content"][:common]
+    # as an agent sends it: the previous request's messages unchanged, then its answer and the new input
+    assert [m["role"] for m in m1] == ["system", "user"]
+    assert [m["role"] for m in m2] == ["system", "user", "assistant", "user"] and m2[:2] == m1
+    assert len(m2[2]["content"]) == 4 * r1.max_tokens  # the answer is the trace's output length
+    for r, m in ((r1, m1), (r2, m2)):
+        assert sum(len(x["content"]) for x in m) == 4 * r.prompt_tokens
+
+
+def test_live_rendering_is_append_only_until_the_prefix_breaks() -> None:
+    """Every request's messages start with the previous one's (a partial last block's text is
+    the start of the whole block the next request has there), except where the trace's own
+    prefix breaks (a compaction): that request starts its messages over."""
+    for path in bundled_claude_code_traces():
+        for _, session in claude_code_arrivals(path):
+            prev = None
+            for _, r in session.planned():
+                m = r.messages
+                assert sum(len(x["content"]) for x in m) == 4 * r.prompt_tokens
+                assert m[-1]["role"] == "user" and all(x["content"] for x in m)
+                if prev is not None:
+                    assert (m[:len(prev)] == prev) == (not r.compacted and r.new_tokens > 0), session.session_id
+                prev = m
 
 
 def test_session_protocol_errors() -> None:
@@ -347,11 +365,14 @@ async def test_live_replica_caches_trace_prefixes(start_app, tmp_path: Path) -> 
     app = build_app("tiny", time_scale=200.0)
     url = await start_app(app)
     cached: dict[str, list[int]] = {}
+    rendered: list[int] = []  # the first user's prompts as the replica counts them
     async with aiohttp.ClientSession() as http:
         for _, session in claude_code_arrivals(path, copies=2):
             replies = None
             while batch := session.next_requests(replies):
                 (req,) = batch
+                if session.session_id == "live":
+                    rendered.append(len(render_chat(req.messages)) // 4)
                 body = {"model": "m", "messages": req.messages, "max_tokens": req.max_tokens}
                 async with http.post(url + "/v1/chat/completions", json=body,
                                      headers={"x-session-id": req.session_id}) as resp:
@@ -363,7 +384,8 @@ async def test_live_replica_caches_trace_prefixes(start_app, tmp_path: Path) -> 
                 )
                 replies = [out["choices"][0]["message"]["content"]]
     first, second = cached["live"], cached["live#1"]
-    # (observed: [0, 640, 896] and [256, 640, 896]: whole blocks hit, as in the trace)
-    assert first[0] == 0 and 0 < first[1] <= 650 and first[1] < first[2] <= 900
+    # (observed: [0, 656, 928] and [256, 656, 928]: the whole pages of the previous prompt hit,
+    # its partial last block (10 tokens past 640) included, since the next one extends it)
+    assert first[0] == 0 and 640 < first[1] <= rendered[0] and first[1] < first[2] <= rendered[1]
     assert 0 < second[0] < first[1]  # another user: only the shared system blocks hit
     assert second[1:] == first[1:]  # then its own history, as for the first user
