@@ -335,6 +335,9 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
     points = args.points or [
         Point(k, cap, cpt) for k in args.kinds for cap in args.capacities for cpt in args.chars_per_token
     ]
+    # each replica kind's and ratio's bound, before any replay (not after a point's, to be lost)
+    bounds = {(p.kind, p.chars_per_token): round(replica_reuse_bound(arrivals, p.kind, p.chars_per_token,
+                                                                     args.profile), 4) for p in points}
     out = []
     async with aiohttp.ClientSession() as http:
         for n, point in enumerate(points, 1):
@@ -352,8 +355,7 @@ async def sweep(args: argparse.Namespace, arrivals: Arrivals, sizes: dict[str, f
                         "chars_per_token": point.chars_per_token, "capacity_tokens": capacity,
                         "capacity_median_sessions": round(
                             capacity * point.chars_per_token / TRACE_TOKEN_BYTES / sizes["median_peak_tokens"], 2),
-                        "reuse_bound": round(replica_reuse_bound(arrivals, point.kind, point.chars_per_token,
-                                                                 args.profile), 4),
+                        "reuse_bound": bounds[point.kind, point.chars_per_token],
                         "results": results})
     return out
 

@@ -167,7 +167,7 @@ def write_chart(data: dict[str, Any], path: Path) -> bool:
         ax_hit.bar(offs, hits, width, label=name)
         ax_ttft.bar(offs, p95, width, label=name)
     ax_hit.axhline(100 * data["trace"]["reuse_bound"], color="black", linestyle="--", linewidth=1,
-                   label="reuse bound")
+                   label="reuse bound (trace pages)")
     ax_hit.set_ylabel("cache hit (%)")
     ax_hit.set_ylim(0, 100)
     ax_hit.legend(fontsize=7, ncol=3, loc="lower left")
@@ -291,7 +291,9 @@ def render_sets_report(summary: dict[str, Any]) -> str:
     lines += [
         "",
         f"The verdict on the means judges `{judged}`'s mean against the best peer's mean with the target "
-        "of a single run (hit >= min(best peer + 2 points, 99% of the mean reuse bound); TTFT p95 <= 0.8x "
+        "of a single run (hit >= min(best peer + 2 points, 99% of the mean of the sets' reuse bounds at that point: "
+        "each set's own, in its replicas' tokens and pages where the run recorded it, else the trace's in this "
+        "table); TTFT p95 <= 0.8x "
         "the best peer's, or no worse where the best peer is within 1% of the bound; no failed request).",
         "",
         "## Verdict per point",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable
+from fractions import Fraction
 from typing import Any
 
 import mini_replica
@@ -25,18 +26,22 @@ from kvrouter.loadtest.sim_prompt import render_chat
 from kvrouter.loadtest.trace_stats import nominal_requests
 
 
-def page_bound(prompts: Iterable[bytes], page_bytes: int, page_tokens: int,
+def page_bound(prompts: Iterable[bytes], page_bytes: Fraction, page_tokens: int,
                reusable_pages: Callable[[int], int], tokens: Callable[[int], int]) -> float:
-    """Cached over prompt tokens with one infinite cache of `page_bytes`-byte pages, each page
-    named by its whole prefix. `tokens(n)` is the token count of an n-byte prompt and
-    `reusable_pages(t)` the most pages a t-token prompt may take from the cache."""
+    """Cached over prompt tokens with one infinite cache of pages of `page_tokens` tokens, each
+    named by its whole prefix. Page j holds bytes [floor(j x page_bytes), floor((j + 1) x
+    page_bytes)) (whole pages only), so a fractional bytes-per-page cuts as the tokenizer does.
+    `tokens(n)` is the token count of an n-byte prompt and `reusable_pages(t)` the most pages a
+    t-token prompt may take from the cache."""
+    num, den = page_bytes.numerator, page_bytes.denominator
     seen: set[bytes] = set()
     hit = total = 0
     for data in prompts:
-        keys, key = [], b""
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hashlib.blake2b(key + data[start:start + page_bytes], digest_size=16).digest()
+        keys, key, start, j = [], b"", 0, 1
+        while (end := j * num // den) <= len(data):
+            key = hashlib.blake2b(key + data[start:end], digest_size=16).digest()
             keys.append(key)
+            start, j = end, j + 1
         n_tokens = tokens(len(data))
         limit = min(len(keys), reusable_pages(n_tokens))
         pages = 0
@@ -48,23 +53,22 @@ def page_bound(prompts: Iterable[bytes], page_bytes: int, page_tokens: int,
     return hit / total if total else 0.0
 
 
-def sim_bound(messages: list[list[dict[str, Any]]], chars_per_token: float, profile: str) -> float:
-    """`kvrouter sim-replica`: ChatML rendering, `loadtest/tokenizer`, the profile's page size; a
-    prompt never takes its last token from the cache (the engine computes at least one)."""
+def sim_bound(messages: Iterable[list[dict[str, Any]]], chars_per_token: float, profile: str) -> float:
+    """`kvrouter sim-replica`: ChatML rendering, `loadtest/tokenizer` (token i covers bytes
+    [floor(i x cpt), floor((i + 1) x cpt))), the profile's page size; a prompt never takes its
+    last token from the cache (the engine computes at least one)."""
     ratio = tokenizer.check_chars_per_token(chars_per_token)
     page = load_profile(profile).page_size
-    page_bytes = page * ratio.numerator / ratio.denominator
-    if page_bytes != int(page_bytes):
-        raise ValueError(f"a {page}-token page is not a whole number of bytes at {chars_per_token} chars per token")
-    return page_bound((render_chat(m).encode() for m in messages), int(page_bytes), page,
+    return page_bound((render_chat(m).encode() for m in messages), page * ratio, page,
                       lambda t: max(t - 1, 0) // page,
                       lambda n: math.ceil(n * ratio.denominator / ratio.numerator))
 
 
-def mini_bound(messages: list[list[dict[str, Any]]], chars_per_token: float,
+def mini_bound(messages: Iterable[list[dict[str, Any]]], chars_per_token: float,
                page_tokens: int = mini_replica.DEFAULT_PAGE_TOKENS) -> float:
-    """`benchmarks/mini_replica.py`: its own rendering, `page_tokens x chars_per_token` bytes a page."""
-    page_bytes = max(1, round(page_tokens * chars_per_token))
+    """`benchmarks/mini_replica.py`: its own rendering, `round(page_tokens x chars_per_token)`
+    bytes a page."""
+    page_bytes = Fraction(max(1, round(page_tokens * chars_per_token)))
     return page_bound((mini_replica.prompt_text("chat", {"messages": m}).encode() for m in messages),
                       page_bytes, page_tokens, lambda t: t,
                       lambda n: math.ceil(n / chars_per_token))
@@ -72,8 +76,9 @@ def mini_bound(messages: list[list[dict[str, Any]]], chars_per_token: float,
 
 def replica_reuse_bound(arrivals: Iterable[tuple[float, Any]], kind: str, chars_per_token: float,
                         profile: str) -> float:
-    """The bound of a live sweep point: replica `kind` ("sim" or "mini") at `chars_per_token`."""
-    messages = [req.messages for _, _, req in nominal_requests(arrivals)]
+    """The bound of a live sweep point: replica `kind` ("sim" or "mini") at `chars_per_token`.
+    Each request's messages are made as its prompt is hashed (not all held at once)."""
+    messages = (req.messages for _, _, req in nominal_requests(arrivals))
     if kind == "sim":
         return sim_bound(messages, chars_per_token, profile)
     return mini_bound(messages, chars_per_token)

@@ -9,7 +9,11 @@ One session per file, 64-token blocks, ids local to the file:
   sessions share ``min(k1, k2)`` system blocks: the upper end of cross-session sharing, as for one
   client version). Sub-agents use ``cc-system/<subagent_type>/<block index>``.
 - ``floor(in / 64)`` blocks have ids; the remaining ``in % 64`` tokens are a segment of their own,
-  keyed per request (never matches anything; never a whole page of its own prompt anyway).
+  keyed per request (the simulator never matches it; never a whole page of its own prompt anyway).
+  Its text, for a live replay, is the start of the block the next request of the same prefix has
+  there, so a conversation's text only grows.
+- live replay sends a request as the previous request's messages, then the answer and the new
+  input (``TraceStep.message_starts``, made here from the block ids).
 - closed loop: request ``i > 0`` starts its trace ``think_time`` after request ``i - 1`` finished;
   the output length is ``out`` (``max_tokens`` too).
 - ``{"type": "subagent", "t", "requests": [...]}`` entries (a concurrent branch with its own prefix)
@@ -162,8 +166,8 @@ def _cc_file_sessions(
             segs = [block(h) for h in ids]
             tail = n_in - len(ids) * block_size
             if tail > 0:
-                segs.append(Segment("user", tail, f"{session_id}/r{k}/tail",
-                                    text_key=_tail_text_key(all_ids, k, session_id, block)))
+                role, text_key = _tail_text(all_ids, k, session_id, block)
+                segs.append(Segment(role, tail, f"{session_id}/r{k}/tail", text_key=text_key))
             before = (all_ids[k - 1], int(kept[k - 1][0]["in"]), steps[-1]) if k else None
             starts = _message_starts(ids, n_in, before, rendered, block_size)
             steps.append(TraceStep(float(r.get("t", 0.0)) - t0, think, tuple(segs), max(1, n_out), len(ids), starts))
@@ -200,28 +204,29 @@ def _message_starts(ids: list[int], n_in: int, before: tuple[list[int], int, Tra
             n += 1
         if n >= shared:
             shared, starts = n, other_starts
-    end = shared * block_size
+    end = min(shared * block_size, n_in - 1)  # the user's turn ends a request: never empty
     kept = tuple(c for c in starts if c[0] < end)
     if kept and kept[-1][1] != "user":
-        kept += ((end, "user"),)  # a request ends with the user's turn
+        kept += ((end, "user"),)
     return kept
 
 
-def _tail_text_key(all_ids: list[list[int]], k: int, session_id: str, block: Any) -> str:
-    """Whose text request `k`'s partial last block starts with. A conversation only grows, so its
-    last tokens are the start of the whole block a later request of the same prefix has at that
-    position (the trace names whole blocks only): that block's key, else, while no later request
-    has it whole, a key shared by the requests with these same whole blocks."""
+def _tail_text(all_ids: list[list[int]], k: int, session_id: str, block: Any) -> tuple[str, str]:
+    """The role and text key of request `k`'s partial last block. A conversation only grows, so
+    its last tokens are the start of the whole block a later request of the same prefix has at
+    that position (the trace names whole blocks only): that block's, else, while no later request
+    has it whole, a user text key shared by the requests with these same whole blocks."""
     ids, n = all_ids[k], len(all_ids[k])
     for later in all_ids[k + 1:]:
         if len(later) < n or later[:n] != ids:
             break
         if len(later) > n:
-            return block(later[n]).key
+            seg = block(later[n])
+            return seg.role, seg.key
     first = k
     while first > 0 and all_ids[first - 1] == ids:
         first -= 1
-    return f"{session_id}/r{first}/tail"
+    return "user", f"{session_id}/r{first}/tail"
 
 
 def _expand(paths: PathLike | Iterable[PathLike]) -> list[Path]:

@@ -59,9 +59,9 @@ class TraceTurnRequest(TurnRequest):
 
 def _cut(role: str, text: str, start: int, starts: tuple[tuple[int, str], ...]) -> list[dict[str, str]]:
     """One run of text from token offset `start` as messages, cut at the `starts` inside it (trace
-    text is CHARS_PER_TOKEN characters a token)."""
+    text is CHARS_PER_TOKEN characters a token); the system prompt stays one message."""
     out, begin = [], 0
-    for offset, next_role in starts:
+    for offset, next_role in () if role == "system" else starts:
         cut = (offset - start) * CHARS_PER_TOKEN
         if begin < cut < len(text):
             out.append({"role": role, "content": text[begin:cut]})

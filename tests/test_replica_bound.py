@@ -39,9 +39,21 @@ def test_sim_bound_by_hand(cpt: float) -> None:
     assert bound.sim_bound([TURN_1, TURN_2], cpt, "kimi-k2.6-b200-tp4") == pytest.approx(expected)
 
 
-def test_sim_bound_refuses_a_page_of_partial_bytes() -> None:
-    with pytest.raises(ValueError, match="whole number of bytes"):
-        bound.sim_bound([TURN_1], 1.3, "tiny")  # 16 tokens x 13/10 bytes
+def test_pages_of_a_fractional_byte_count_cut_as_the_tokenizer_does() -> None:
+    """At 1.3 bytes a token a 16-token page is 20.8 bytes: pages end at bytes 20, 41, 62, ...,
+    where the tokenizer's 16th, 32nd, 48th token ends."""
+    from fractions import Fraction
+
+    from kvrouter.loadtest import tokenizer
+
+    ids = tokenizer.encode("x" * 100, chars_per_token=1.3)
+    ends = [math.floor((i + 1) * Fraction(13, 10)) for i in range(len(ids))]
+    assert [ends[16 * j - 1] for j in (1, 2, 3)] == [20, 41, 62]
+    data = [b"a" * 41 + b"b" * 30, b"a" * 41 + b"c" * 30]  # two pages shared, the third differs
+    tokens = lambda n: math.ceil(n * 10 / 13)  # noqa: E731
+    assert bound.page_bound(data, Fraction(208, 10), 16, lambda t: t, tokens) \
+        == pytest.approx(32 / (2 * tokens(71)))
+    assert 0 < bound.sim_bound([TURN_1, TURN_2], 1.3, "tiny") < 1
 
 
 @pytest.mark.parametrize("cpt", [1.5, 4.0, 8.0])

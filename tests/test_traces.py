@@ -178,9 +178,39 @@ def test_live_rendering_is_append_only_until_the_prefix_breaks() -> None:
                 m = r.messages
                 assert sum(len(x["content"]) for x in m) == 4 * r.prompt_tokens
                 assert m[-1]["role"] == "user" and all(x["content"] for x in m)
-                if prev is not None:
-                    assert (m[:len(prev)] == prev) == (not r.compacted and r.new_tokens > 0), session.session_id
-                prev = m
+                if prev is not None:  # the trace says it extends: its whole blocks go on, its prompt grows
+                    blocks = [s for s in prev_r.segments if not s.key.endswith("/tail")]
+                    extends = list(r.segments[:len(blocks)]) == blocks and r.prompt_tokens > prev_r.prompt_tokens
+                    assert (m[:len(prev)] == prev) == extends, session.session_id
+                prev, prev_r = m, r
+
+
+def test_rendering_after_a_prefix_break_keeps_what_it_shares_and_ends_with_the_user(tmp_path: Path) -> None:
+    """The third request goes back to the first 11 blocks of the second (its 12th rewritten),
+    with no partial block: it keeps the second's messages up to where they part, and its text
+    past the last user message still ends in a user message, never the assistant's."""
+    data = {"id": "brk", "block_size": 64, "tool_tokens": 64, "system_tokens": 0, "requests": [
+        _req(0.0, list(range(1, 11)), 650, out=50), _req(1.0, list(range(1, 13)), 773, out=50),
+        _req(2.0, list(range(1, 12)), 704, out=50)]}
+    (_, session), = claude_code_arrivals(_write(tmp_path / "trace_brk.json", data))
+    first, second, third = (r.messages for _, r in session.planned())
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "user"] and second[:2] == first
+    assert [m["role"] for m in third][-1] == "user" and third[:3] == second[:3]
+    shared = 11 * 64 * 4 - sum(len(m["content"]) for m in second[:3])  # of the second's last message
+    assert third[3]["content"][:shared - 4] == second[3]["content"][:shared - 4]
+
+
+def test_a_partial_block_inside_the_system_prompt_renders_in_the_system_message(tmp_path: Path) -> None:
+    """A request that ends inside the shared system prefix: its partial block is the start of a
+    system block of the next request, so it is part of the system message, as the next one's is."""
+    data = {"id": "sys", "block_size": 64, "tool_tokens": 128, "system_tokens": 0, "requests": [
+        _req(0.0, [1], 100, out=20), _req(1.0, [1, 2, 3, 4], 300, out=20),
+        _req(2.0, [1, 2, 3, 4, 5], 350, out=20)]}  # the system prefix: blocks 1 and 2
+    (_, session), = claude_code_arrivals(_write(tmp_path / "trace_sys.json", data))
+    first, second, _ = (r.messages for _, r in session.planned())
+    assert [m["role"] for m in first] == ["system"] and len(first[0]["content"]) == 4 * 100
+    assert [m["role"] for m in second] == ["system", "user"] and len(second[0]["content"]) == 4 * 128
+    assert second[0]["content"].startswith(first[0]["content"])
 
 
 def test_session_protocol_errors() -> None:
