@@ -42,8 +42,8 @@ from .turn_request import Segment
 __all__ = ["CC_BLOCK_SIZE", "CC_SYSTEM_NAMESPACE", "claude_code_arrivals", "read_trace_file", "trace_file_stem"]
 
 CC_BLOCK_SIZE = 64
-Starts = tuple[tuple[int, str], ...]  # where messages start: (token offset, role)
 CC_SYSTEM_NAMESPACE = "cc-system"
+Starts = tuple[tuple[int, str], ...]  # where a request's messages start: (token offset, role)
 
 
 def _is_sub(r: dict[str, Any]) -> bool:
