@@ -55,6 +55,15 @@ from .tracing import wanted as tracing_wanted
 log = logging.getLogger("kvrouter")
 
 
+async def _cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Stop the router's background loops and wait until each has."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class Router:
     """The composition root of one router process: builds the routing engine, the affinity
     store, the relay, the replica membership, the handlers and the background loops, and wires
@@ -284,38 +293,35 @@ class Router:
                           shutdown_grace_s=server.shutdown_grace_s)
 
     async def _lifecycle(self, server: object) -> AsyncIterator[None]:
-        await self.relay.start()
-        await self.affinity.start()
-        tasks = [  # a crash restarts the loop (logged, counted), never silently ends it
-            spawn("signal-poller", self.poller.run, metrics=self.metrics),
-            spawn("housekeeping", self.housekeeping.run, metrics=self.metrics),
-        ]
-        decode_poller = self.decode_poller
-        if decode_poller is not None:
-            tasks.append(spawn("decode-poller", decode_poller.run, metrics=self.metrics))
-        if self.kv_events is not None:
-            self.kv_events.start(self.registry.urls())
-        if self.peer_share is not None:
-            self.peer_share.start(functools.partial(spawn, metrics=self.metrics))
-        yield
-        if self.peer_share is not None:
-            await self.peer_share.close()
-        if self.kv_events is not None:
-            await self.kv_events.close()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.affinity.close()
-        await self.relay.close()
-        await self.poller.aclose()
-        if decode_poller is not None:
-            await decode_poller.aclose()
-        if self.tokenize_pool is not None:
-            self.tokenize_pool.close()
-        if self.decision_log is not None:
-            await asyncio.to_thread(self.decision_log.close)  # flushes, joins its writer thread
-        if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
+        # Each part is stopped by the exit stack, last registered first: every stop runs even
+        # when one before it raises, and a start that fails stops what had started.
+        async with contextlib.AsyncExitStack() as stops:
+            if self.tracing is not None:
+                stops.push_async_callback(asyncio.to_thread, self.tracing.shutdown)  # exports what is buffered
+            if self.decision_log is not None:  # flushes, joins its writer thread
+                stops.push_async_callback(asyncio.to_thread, self.decision_log.close)
+            if self.tokenize_pool is not None:
+                stops.callback(self.tokenize_pool.close)
+            decode_poller = self.decode_poller
+            if decode_poller is not None:
+                stops.push_async_callback(decode_poller.aclose)
+            stops.push_async_callback(self.poller.aclose)
+            await self.relay.start()
+            stops.push_async_callback(self.relay.close)
+            await self.affinity.start()
+            stops.push_async_callback(self.affinity.close)
+            tasks = [  # a crash restarts the loop (logged, counted), never silently ends it
+                spawn("signal-poller", self.poller.run, metrics=self.metrics),
+                spawn("housekeeping", self.housekeeping.run, metrics=self.metrics),
+            ]
+            if decode_poller is not None:
+                tasks.append(spawn("decode-poller", decode_poller.run, metrics=self.metrics))
+            stops.push_async_callback(_cancel_and_wait, tasks)
+            if self.kv_events is not None:
+                self.kv_events.start(self.registry.urls())
+                stops.push_async_callback(self.kv_events.close)
+            if self.peer_share is not None:
+                self.peer_share.start(functools.partial(spawn, metrics=self.metrics))
+                stops.push_async_callback(self.peer_share.close)
+            yield
 

@@ -95,7 +95,11 @@ class DataServer:
         self.loop = asyncio.get_running_loop()
         for lifecycle in self.lifecycles:
             running = lifecycle(self)
-            await running.__anext__()
+            try:
+                await running.__anext__()
+            except BaseException:
+                await self._stop_lifecycles()  # those already started
+                raise
             self._running.append(running)
         self._server = await self.loop.create_server(
             lambda: Connection(self), host, port, backlog=1024, reuse_port=reuse_port or None)
@@ -121,12 +125,22 @@ class DataServer:
             await asyncio.gather(*tasks, return_exceptions=True)
         for conn in list(self.connections):
             conn._close()
+        await self._stop_lifecycles()
+
+    async def _stop_lifecycles(self) -> None:
+        """The running lifecycles' ends, in reverse: each runs even when one before it raised
+        (the first error is raised after all have run)."""
+        failed: Exception | None = None
         for running in reversed(self._running):
             try:
                 await running.__anext__()
             except StopAsyncIteration:
                 pass
+            except Exception as err:
+                failed = failed or err
         self._running.clear()
+        if failed is not None:
+            raise failed
 
     async def dispatch(self, request: Request) -> Any:
         method = request.method
