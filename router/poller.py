@@ -27,9 +27,8 @@ from ..sglang_protocol.loads import parse_loads_json, parse_rank_loads
 from ..sglang_protocol.signals import ReplicaSignals, SignalParseError, parse_metrics_text
 from .config import SignalsConfig
 from .replicas import ReplicaRegistry
-from .upstream_errors import UpstreamError
+from .upstream_errors import UpstreamBodyTooLarge, UpstreamError
 from .upstream_http import UpstreamPool
-from .upstream_response import UpstreamResponse
 
 log = logging.getLogger("kvrouter.poller")
 
@@ -39,16 +38,6 @@ _MAX_REDIRECTS = 3
 _REDIRECTS = frozenset((301, 302, 303, 307, 308))
 # A page larger than this is refused, not read into memory whole (SGLang's is tens of KB).
 _MAX_PAGE_BYTES = 16 << 20
-
-
-async def _read_capped(response: UpstreamResponse, path: str) -> bytes:
-    parts, size = [], 0
-    while chunk := await response.readany():
-        size += len(chunk)
-        if size > _MAX_PAGE_BYTES:
-            raise SignalParseError(f"{path}: answer over {_MAX_PAGE_BYTES} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def _same_origin(url: str, requested: str, location: str | None, path: str) -> tuple[str, str]:
@@ -111,7 +100,10 @@ class SignalPoller:
             response = await self.pool.request("GET", base, target, CIMultiDict(self.headers), b"")
             try:
                 if response.status not in _REDIRECTS:
-                    return response.status, await _read_capped(response, path)
+                    try:
+                        return response.status, await response.read(_MAX_PAGE_BYTES)
+                    except UpstreamBodyTooLarge:
+                        raise SignalParseError(f"{path}: answer over {_MAX_PAGE_BYTES} bytes") from None
                 base, target = _same_origin(url, base + target, response.headers.get("Location"), path)
             finally:
                 response.close()

@@ -21,6 +21,10 @@ class UpstreamBodyError(UpstreamError):
     """The response started, then the replica broke off before its end."""
 
 
+class UpstreamBodyTooLarge(UpstreamError):
+    """The response's body grew past the limit its reader set (`UpstreamResponse.read`)."""
+
+
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The replica has the request but missed a deadline: `kind` is "header_timeout" (no headers
     in time), "idle_timeout" (a gap between body bytes too long) or "total_timeout" (the whole

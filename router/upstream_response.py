@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
+from .upstream_errors import UpstreamBodyTooLarge
+
 if TYPE_CHECKING:
     from .upstream_http import _Connection
 
@@ -104,9 +106,13 @@ class UpstreamResponse:
         self._conn.resume()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def read(self) -> bytes:
-        parts = []
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body; with `limit`, UpstreamBodyTooLarge as soon as it is longer."""
+        parts, size = [], 0
         while chunk := await self.readany():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise UpstreamBodyTooLarge(f"body over {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
