@@ -166,8 +166,8 @@ def _cc_file_sessions(
             segs = [block(h) for h in ids]
             tail = n_in - len(ids) * block_size
             if tail > 0:
-                role, text_key = _tail_text(all_ids, k, session_id, block)
-                segs.append(Segment(role, tail, f"{session_id}/r{k}/tail", text_key=text_key))
+                segs.append(Segment("user", tail, f"{session_id}/r{k}/tail",
+                                    text_key=_tail_text_key(all_ids, k, session_id, block)))
             before = (all_ids[k - 1], int(kept[k - 1][0]["in"]), steps[-1]) if k else None
             starts = _message_starts(ids, n_in, before, rendered, block_size)
             steps.append(TraceStep(float(r.get("t", 0.0)) - t0, think, tuple(segs), max(1, n_out), len(ids), starts))
@@ -211,22 +211,22 @@ def _message_starts(ids: list[int], n_in: int, before: tuple[list[int], int, Tra
     return kept
 
 
-def _tail_text(all_ids: list[list[int]], k: int, session_id: str, block: Any) -> tuple[str, str]:
-    """The role and text key of request `k`'s partial last block. A conversation only grows, so
-    its last tokens are the start of the whole block a later request of the same prefix has at
-    that position (the trace names whole blocks only): that block's, else, while no later request
-    has it whole, a user text key shared by the requests with these same whole blocks."""
+def _tail_text_key(all_ids: list[list[int]], k: int, session_id: str, block: Any) -> str:
+    """Whose text request `k`'s partial last block starts with. A conversation only grows, so its
+    last tokens are the start of the whole block a later request of the same prefix has at that
+    position (the trace names whole blocks only): that block's key, else, while no later request
+    has it whole, a key shared by the requests with these same whole blocks. The block is a user
+    message either way: one inside the system prompt would leave its request without a user turn."""
     ids, n = all_ids[k], len(all_ids[k])
     for later in all_ids[k + 1:]:
         if len(later) < n or later[:n] != ids:
             break
         if len(later) > n:
-            seg = block(later[n])
-            return seg.role, seg.key
+            return block(later[n]).key
     first = k
     while first > 0 and all_ids[first - 1] == ids:
         first -= 1
-    return "user", f"{session_id}/r{first}/tail"
+    return f"{session_id}/r{first}/tail"
 
 
 def _expand(paths: PathLike | Iterable[PathLike]) -> list[Path]:

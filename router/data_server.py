@@ -101,8 +101,12 @@ class DataServer:
                 await self._stop_lifecycles()  # those already started
                 raise
             self._running.append(running)
-        self._server = await self.loop.create_server(
-            lambda: Connection(self), host, port, backlog=1024, reuse_port=reuse_port or None)
+        try:
+            self._server = await self.loop.create_server(
+                lambda: Connection(self), host, port, backlog=1024, reuse_port=reuse_port or None)
+        except BaseException:  # e.g. the port is taken: what started stops
+            await self._stop_lifecycles()
+            raise
         self.addresses = [s.getsockname() for s in self._server.sockets]
         return int(self.addresses[0][1])
 
@@ -129,7 +133,7 @@ class DataServer:
 
     async def _stop_lifecycles(self) -> None:
         """The running lifecycles' ends, in reverse: each runs even when one before it raised
-        (the first error is raised after all have run)."""
+        (the first error is raised after all have run; a lifecycle's own error may chain others)."""
         failed: Exception | None = None
         for running in reversed(self._running):
             try:

@@ -53,6 +53,27 @@ async def test_a_lifecycle_that_fails_to_start_stops_those_started_before_it() -
     assert stopped == ["first"] and server._server is None
 
 
+async def test_a_port_already_taken_stops_the_lifecycles_that_started() -> None:
+    import socket
+
+    stopped: list[str] = []
+
+    async def first(server: object) -> AsyncIterator[None]:
+        yield
+        stopped.append("first")
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        server = _server(first)
+        with pytest.raises(OSError):
+            await server.start("127.0.0.1", taken.getsockname()[1])
+        assert stopped == ["first"]
+    finally:
+        taken.close()
+
+
 async def test_the_router_stops_its_relay_and_poller_when_its_affinity_store_fails_to_close(
         closed_port_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     router = Router(parse_config({"replicas": [closed_port_url], "server": {"host": "127.0.0.1", "port": 0}}))

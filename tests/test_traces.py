@@ -200,17 +200,18 @@ def test_rendering_after_a_prefix_break_keeps_what_it_shares_and_ends_with_the_u
     assert third[3]["content"][:shared - 4] == second[3]["content"][:shared - 4]
 
 
-def test_a_partial_block_inside_the_system_prompt_renders_in_the_system_message(tmp_path: Path) -> None:
-    """A request that ends inside the shared system prefix: its partial block is the start of a
-    system block of the next request, so it is part of the system message, as the next one's is."""
+def test_a_request_shorter_than_the_system_prompt_still_ends_with_a_user_message(tmp_path: Path) -> None:
+    """A request that ends inside the shared system prefix: its partial block is a user message
+    (some chat templates refuse a request without one), with the text the next request's system
+    block starts with; the next request's system prompt stays one message."""
     data = {"id": "sys", "block_size": 64, "tool_tokens": 128, "system_tokens": 0, "requests": [
         _req(0.0, [1], 100, out=20), _req(1.0, [1, 2, 3, 4], 300, out=20),
         _req(2.0, [1, 2, 3, 4, 5], 350, out=20)]}  # the system prefix: blocks 1 and 2
     (_, session), = claude_code_arrivals(_write(tmp_path / "trace_sys.json", data))
     first, second, _ = (r.messages for _, r in session.planned())
-    assert [m["role"] for m in first] == ["system"] and len(first[0]["content"]) == 4 * 100
+    assert [m["role"] for m in first] == ["system", "user"] and len(first[1]["content"]) == 4 * 36
     assert [m["role"] for m in second] == ["system", "user"] and len(second[0]["content"]) == 4 * 128
-    assert second[0]["content"].startswith(first[0]["content"])
+    assert second[0]["content"] == first[0]["content"] + first[1]["content"] + second[0]["content"][4 * 100:]
 
 
 def test_session_protocol_errors() -> None:
