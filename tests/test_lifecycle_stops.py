@@ -17,19 +17,23 @@ def _server(*lifecycles) -> DataServer:
     return DataServer({}, [], list(lifecycles), max_body_bytes=1000, header_timeout_s=5, shutdown_grace_s=0.1)
 
 
+def _recorded(name: str, stopped: list[str]):
+    """A lifecycle that notes its stop in `stopped`."""
+    async def lifecycle(server: object) -> AsyncIterator[None]:
+        yield
+        stopped.append(name)
+    return lifecycle
+
+
 async def test_every_lifecycle_stops_though_one_stop_fails() -> None:
     stopped: list[str] = []
-
-    async def first(server: object) -> AsyncIterator[None]:
-        yield
-        stopped.append("first")
 
     async def second(server: object) -> AsyncIterator[None]:
         yield
         stopped.append("second")
         raise RuntimeError("second failed to stop")
 
-    server = _server(first, second)
+    server = _server(_recorded("first", stopped), second)
     await server.start("127.0.0.1", 0)
     with pytest.raises(RuntimeError, match="second failed to stop"):
         await server.cleanup()
@@ -39,15 +43,11 @@ async def test_every_lifecycle_stops_though_one_stop_fails() -> None:
 async def test_a_lifecycle_that_fails_to_start_stops_those_started_before_it() -> None:
     stopped: list[str] = []
 
-    async def first(server: object) -> AsyncIterator[None]:
-        yield
-        stopped.append("first")
-
     async def broken(server: object) -> AsyncIterator[None]:
         raise OSError("cannot start")
         yield  # pragma: no cover
 
-    server = _server(first, broken)
+    server = _server(_recorded("first", stopped), broken)
     with pytest.raises(OSError, match="cannot start"):
         await server.start("127.0.0.1", 0)
     assert stopped == ["first"] and server._server is None
@@ -57,16 +57,11 @@ async def test_a_port_already_taken_stops_the_lifecycles_that_started() -> None:
     import socket
 
     stopped: list[str] = []
-
-    async def first(server: object) -> AsyncIterator[None]:
-        yield
-        stopped.append("first")
-
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        server = _server(first)
+        server = _server(_recorded("first", stopped))
         with pytest.raises(OSError):
             await server.start("127.0.0.1", taken.getsockname()[1])
         assert stopped == ["first"]
