@@ -1,4 +1,4 @@
-"""Where a small streamed request's added time to first byte goes inside the router, at C=1.
+"""Where a streamed request's added time to first byte goes inside the router, at C=1.
 
 Starts the SGLang-shaped upstream (benchmarks/upstream.py) and `kvrouter serve` with timestamps
 taken at the points of a request's critical path, then sends `--requests` streamed chat
@@ -10,11 +10,13 @@ requests one at a time (aiohttp client, keep-alive) and prints the median of eac
 
 The timestamps come from wrappers this script installs around the router's functions in the
 router's own process before it starts (the router's code has no timing hook: nothing costs
-anything in a normal run). With `--strace`, a second batch runs under `strace -c -f` attached
+anything in a normal run). `--prompt-kb N` makes every request's prompt N KB of text no
+earlier request had (a new conversation, or the turn after a compaction), instead of the small
+fixed one. With `--strace`, a second batch runs under `strace -c -f` attached
 to each router (kvrouter without the wrappers, and every `--external` router) and prints the
 system calls per request of each.
 
-    python benchmarks/critical_path.py [--requests 300] [--strace] \
+    python benchmarks/critical_path.py [--requests 300] [--strace] [--prompt-kb 360] \
         [--external 'vllm-router=vllm-router --host 127.0.0.1 --port {port} --worker-urls {worker_urls} --policy round_robin --prometheus-port 29111']
 """
 
@@ -240,25 +242,33 @@ def segments(events: list[tuple[str, int]], skip: int) -> dict[str, Any]:
     }
 
 
-async def _batch(url: str, n: int) -> list[float]:
+async def _batch(url: str, n: int, prompt_kb: float = 0) -> list[float]:
+    """TTFB of `n` streamed requests, one at a time; with `prompt_kb`, each request's prompt is
+    that many KB of text no earlier request had (a new conversation's first turn, or one after
+    a compaction: nothing to reuse, every byte parsed and hashed)."""
+    import random
+
     import aiohttp
     import dp_scenarios as sc
 
+    rng = random.Random(0)
     ttfb = []
     async with aiohttp.ClientSession() as session:
         for _ in range(n):
-            first, _total = await sc._aiohttp_stream(session, url, 20)
+            messages = ([{"role": "user", "content": sc.code_text(rng, int(prompt_kb * 1000))}]
+                        if prompt_kb else sc.MESSAGES)
+            first, _total = await sc._aiohttp_stream(session, url, 20, messages)
             ttfb.append(first * 1000)
     return ttfb
 
 
-def _strace(pid: int, url: str, n: int) -> dict[str, float]:
+def _strace(pid: int, url: str, n: int, prompt_kb: float = 0) -> dict[str, float]:
     """System calls per request of process `pid` (and its threads) over n streamed requests."""
     out = tempfile.NamedTemporaryFile(suffix=".strace", delete=False).name
     tracer = subprocess.Popen(["strace", "-c", "-f", "-qq", "-o", out, "-p", str(pid)],
                               stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached to every thread
-    asyncio.run(_batch(url, n))
+    asyncio.run(_batch(url, n, prompt_kb))
     tracer.send_signal(signal.SIGINT)
     tracer.wait(30)
     calls: dict[str, float] = {}
@@ -276,6 +286,8 @@ def main() -> int:
     parser.add_argument("--strace", action="store_true", help="also count system calls per request")
     parser.add_argument("--external", action="append", default=[], metavar="NAME=COMMAND")
     parser.add_argument("--detail", action="store_true", help="finer marks inside the segments")
+    parser.add_argument("--prompt-kb", type=float, default=0,
+                        help="each request a new prompt of this many KB (default: the small fixed one)")
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--serve-marked", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -296,7 +308,7 @@ def main() -> int:
                   *(["--detail"] if args.detail else []), "serve", "--replica",
                   upstream, "--port", str(port)]
         with dp.process(marked, port, "kvrouter-marked"):
-            ttfb = asyncio.run(_batch(f"http://127.0.0.1:{port}", args.requests + 20))
+            ttfb = asyncio.run(_batch(f"http://127.0.0.1:{port}", args.requests + 20, args.prompt_kb))
         result["marked_ttfb_ms_p50"] = statistics.median(ttfb[20:])
         marks = json.loads(Path(marks_path).read_text())
         result["critical_path"] = segments(marks["events"], 20)
@@ -317,8 +329,8 @@ def main() -> int:
                 routers[name] = (stack.enter_context(dp.process(cmd, port, name)), f"http://127.0.0.1:{port}")
             result["syscalls_per_request"] = {}
             for name, (proc, url) in routers.items():
-                asyncio.run(_batch(url, 20))  # warm
-                result["syscalls_per_request"][name] = _strace(proc.pid, url, args.requests)
+                asyncio.run(_batch(url, 20, args.prompt_kb))  # warm
+                result["syscalls_per_request"][name] = _strace(proc.pid, url, args.requests, args.prompt_kb)
     result["loadavg_at_end"] = os.getloadavg()
     path = result["critical_path"]
     print(f"{path['requests']} requests; TTFB p50 through the marked router {result['marked_ttfb_ms_p50']:.2f} ms;"
