@@ -36,14 +36,13 @@ from typing import Any
 
 import orjson
 
-from .trace_session import Arrivals, PathLike, TraceSession, TraceStep
+from .trace_session import Arrivals, MessageStarts, PathLike, TraceSession, TraceStep
 from .turn_request import Segment
 
 __all__ = ["CC_BLOCK_SIZE", "CC_SYSTEM_NAMESPACE", "claude_code_arrivals", "read_trace_file", "trace_file_stem"]
 
 CC_BLOCK_SIZE = 64
 CC_SYSTEM_NAMESPACE = "cc-system"
-Starts = tuple[tuple[int, str], ...]  # where a request's messages start: (token offset, role)
 
 
 def _is_sub(r: dict[str, Any]) -> bool:
@@ -138,7 +137,7 @@ def _cc_file_sessions(
 
     out: list[tuple[float, TraceSession]] = []
     parent_end: float | None = None
-    rendered: list[tuple[list[int], Starts]] = []  # every request so far, of any branch: its ids, its cuts
+    rendered: list[tuple[list[int], MessageStarts]] = []  # every request so far, of any branch: its ids, its cuts
     for branch in branches:
         session_id = f"{trace_id}/{branch.name}" if branch.name else trace_id
         if branch.name and parent_end is not None and branch.t > parent_end:
@@ -181,7 +180,7 @@ def _cc_file_sessions(
 
 
 def _message_starts(ids: list[int], n_in: int, before: tuple[list[int], int, TraceStep] | None,
-                    rendered: list[tuple[list[int], Starts]], block_size: int) -> Starts:
+                    rendered: list[tuple[list[int], MessageStarts]], block_size: int) -> MessageStarts:
     """Where this request's messages start (see `TraceTurnRequest`). One that extends the previous
     request of its branch keeps that request's messages and adds the answer to it (an assistant
     message of its output length, less where the new text is shorter, as when reasoning is not

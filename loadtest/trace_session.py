@@ -23,10 +23,11 @@ from typing import Union
 
 from .turn_request import CHARS_PER_TOKEN, ReplyLike, Segment, TurnRequest, reply_as_segment
 
-__all__ = ["TraceTurnRequest", "TraceStep", "TraceSession", "Arrivals", "PathLike"]
+__all__ = ["TraceTurnRequest", "TraceStep", "TraceSession", "Arrivals", "MessageStarts", "PathLike"]
 
 PathLike = Union[str, Path]
 Arrivals = list[tuple[float, "TraceSession"]]
+MessageStarts = tuple[tuple[int, str], ...]  # where a request's messages start: (token offset, role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class TraceTurnRequest(TurnRequest):
     unchanged, then the previous answer and the new input as messages of their own."""
 
     # (token offset in the prompt, role) where a new message starts inside a run
-    message_starts: tuple[tuple[int, str], ...] = ()
+    message_starts: MessageStarts = ()
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -57,7 +58,7 @@ class TraceTurnRequest(TurnRequest):
         return out
 
 
-def _cut(role: str, text: str, start: int, starts: tuple[tuple[int, str], ...]) -> list[dict[str, str]]:
+def _cut(role: str, text: str, start: int, starts: MessageStarts) -> list[dict[str, str]]:
     """One run of text from token offset `start` as messages, cut at the `starts` inside it (trace
     text is CHARS_PER_TOKEN characters a token); the system prompt stays one message."""
     out, begin = [], 0
@@ -80,7 +81,7 @@ class TraceStep:
     out: int
     n_blocks: int  # leading segments that are whole blocks (the rest: a partial tail)
     # where its messages start inside a run of segments (see TraceTurnRequest)
-    message_starts: tuple[tuple[int, str], ...] = ()
+    message_starts: MessageStarts = ()
 
 
 class TraceSession:
